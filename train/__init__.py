@@ -1,0 +1,1 @@
+"""Training scripts for the small target + drafter pair shipped in ``pair/``."""
