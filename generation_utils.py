@@ -331,6 +331,21 @@ def _sync(device):
     return time.perf_counter()
 
 
+def _draft_logits(draft, embed, head, anchor, context, draft_cache, start, b, mask_token_id):
+    """One draft pass over ``[anchor, MASK x (b-1)]`` at positions ``start..start+b-1``.
+
+    ``context`` ``(1, n, F)`` holds the features of positions ``cache_len..start-1`` (everything
+    before the anchor not yet in ``draft_cache``). Returns draft logits ``(1, b-1, V)`` for slots
+    1..b-1 and leaves ``draft_cache`` holding context K/V of positions ``0..start-1`` only.
+    """
+    noise = torch.cat([anchor, anchor.new_full((1, b - 1), mask_token_id)], dim=1)
+    pos = torch.arange(draft_cache.get_seq_length(), start + b, device=anchor.device)[None]
+    hidden = draft(position_ids=pos, noise_embedding=embed(noise), target_hidden=context,
+                   past_key_values=draft_cache, use_cache=True)
+    crop_cache(draft_cache, start)  # block K/V are thrown away
+    return head(hidden[:, 1:].to(head.weight.dtype))
+
+
 def _decode(draft, target, input_ids, max_new_tokens, block_size, mask_token_id, sampling, stop_ids,
             features, streamer, output_timings):
     """The speculative loop for one sequence; positions are contiguous, so cache length == position."""
@@ -357,14 +372,9 @@ def _decode(draft, target, input_ids, max_new_tokens, block_size, mask_token_id,
     while not done and start < max_positions:
         b = min(block_size, max_new_tokens - n_new, max_positions - start)
         block = tokens[-1][:, -1:]
-        if b > 1:  # draft slots 1..b-1 in one pass over [anchor, MASK x (b-1)]
-            noise = torch.cat([block, torch.full((1, b - 1), mask_token_id, device=device)], dim=1)
-            pos = torch.arange(draft_cache.get_seq_length(), start + b, device=device)[None]
-            hidden = draft(position_ids=pos, noise_embedding=embed(noise), target_hidden=context,
-                           past_key_values=draft_cache, use_cache=True)
-            crop_cache(draft_cache, start)  # keep context K/V only; block K/V are thrown away
-            drafts = head(hidden[:, 1:].to(head.weight.dtype)).argmax(dim=-1)  # (1, b-1)
-            block = torch.cat([block, drafts.to(device)], dim=1)
+        if b > 1:
+            logits = _draft_logits(draft, embed, head, block, context, draft_cache, start, b, mask_token_id)
+            block = torch.cat([block, logits.argmax(dim=-1).to(device)], dim=1)  # (1, b)
             out.num_draft_forwards += 1
         pos = torch.arange(start, start + b, device=device)[None]
         logits = target(input_ids=block, position_ids=pos, use_cache=True, **{cache_kw: target_cache}).logits

@@ -1,0 +1,251 @@
+import itertools
+
+import pytest
+import torch
+
+import generation_utils
+from tiny import MASK_ID, VOCAB, tiny_draft, tiny_target
+
+TARGETS = {kind: tiny_target(kind) for kind in ("qwen3", "llama")}
+PROMPTS = {n: torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (1, 3, 15, 50)}
+_REFS = {}
+
+
+def generate(target, ids, **kwargs):
+    """Plain greedy ``target.generate`` (explicit all-ones mask: prompts may contain any id)."""
+    return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs)
+
+
+def reference(kind, prompt_len, max_new_tokens=64):
+    """target.generate greedy continuation (greedy is prefix-closed, so one long run serves all lengths)."""
+    key = (kind, prompt_len)
+    if key not in _REFS:
+        _REFS[key] = generate(TARGETS[kind], PROMPTS[prompt_len], max_new_tokens=64)
+    return _REFS[key][:, : prompt_len + max_new_tokens]
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """Draft logits replaced by an oracle right for a scripted number of slots per step; checks caches."""
+
+    def install(ref, script, target):
+        calls = []
+        real = generation_utils._draft_logits
+
+        def fake(draft, embed, head, anchor, context, draft_cache, start, b, mask_token_id):
+            logits = real(draft, embed, head, anchor, context, draft_cache, start, b, mask_token_id)
+            assert draft_cache.get_seq_length() == start  # context K/V of positions < anchor only
+            right = script[len(calls) % len(script)]
+            calls.append((start, b))
+            want = ref[0, start + 1 : start + b].clone()
+            want[right:] = (want[right:] + 1) % VOCAB  # wrong from slot right+1 on
+            return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
+
+        monkeypatch.setattr(generation_utils, "_draft_logits", fake)
+        target_cache_lengths = []
+
+        def pre_hook(module, args, kwargs):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            target_cache_lengths.append((cache.get_seq_length(), int(kwargs["position_ids"][0, 0])))
+
+        handle = target.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return calls, target_cache_lengths, handle
+
+    return install
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_greedy_equals_target_generate_random_draft(kind, block_size):
+    target, draft = TARGETS[kind], tiny_draft(block_size=16)
+    for prompt_len, max_new in itertools.product(PROMPTS, (0, 1, 2, 17, 64)):
+        out = draft.spec_generate(target, PROMPTS[prompt_len], max_new_tokens=max_new, temperature=0.0,
+                                  block_size=block_size, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, reference(kind, prompt_len, max_new)), (prompt_len, max_new)
+        if max_new > 1:
+            assert sum(out.acceptance_lengths) == max_new - 1  # the prefill made the first token
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_greedy_equals_target_generate_oracle_draft(kind, block_size, oracle):
+    """Oracle right for 0, some, all slots: acceptance = script + 1, caches cut to the committed length."""
+    target, draft = TARGETS[kind], tiny_draft(block_size=16)
+    script = [0, block_size - 1, 1, 3, block_size - 1, 2]
+    for prompt_len, max_new in itertools.product((1, 15, 50), (2, 17, 64)):
+        ref = reference(kind, prompt_len, max_new)
+        calls, target_lengths, handle = oracle(reference(kind, prompt_len), script, target)
+        try:
+            out = draft.spec_generate(target, PROMPTS[prompt_len], max_new_tokens=max_new, temperature=0.0,
+                                      block_size=block_size, return_dict_in_generate=True)
+        finally:
+            handle.remove()
+        assert torch.equal(out.sequences, ref)
+        expected = [min(script[i % len(script)], b - 1) + 1 for i, (_, b) in enumerate(calls)]
+        assert out.acceptance_lengths[: len(calls)] == expected
+        assert all(n == 1 for n in out.acceptance_lengths[len(calls):])  # steps with b == 1 draft nothing
+        assert all(length == pos for length, pos in target_lengths)  # target cache == committed, each step
+        assert target_lengths[0] == (0, 0) and out.num_target_forwards == len(target_lengths)
+
+
+def test_stop_token_inside_an_accepted_block(oracle):
+    target, draft = TARGETS["qwen3"], tiny_draft(block_size=8)
+    full = reference("qwen3", 3)
+    stop = int(full[0, 3 + 5])  # the 6th new token, in the middle of the first fully accepted block
+    first = next(i for i in range(3, full.shape[1]) if full[0, i] == stop)
+    calls, _, handle = oracle(full, [7], target)
+    try:
+        out = draft.spec_generate(target, PROMPTS[3], max_new_tokens=40, stop_token_ids=[stop], temperature=0.0)
+    finally:
+        handle.remove()
+    assert torch.equal(out, full[:, : first + 1])
+    expected = generate(target, PROMPTS[3], max_new_tokens=40, eos_token_id=stop, pad_token_id=0)
+    assert torch.equal(out, expected)
+
+
+def test_stop_defaults_to_generation_config_eos_list():
+    target, draft = tiny_target(), tiny_draft()
+    full = reference("qwen3", 15)
+    stop = int(full[0, 15 + 4])
+    target.generation_config.eos_token_id = [VOCAB - 1, stop]
+    out = draft.spec_generate(target, PROMPTS[15], max_new_tokens=30, temperature=0.0)
+    assert out[0, -1] == stop and stop not in out[0, 15:-1].tolist()
+    assert torch.equal(out, generate(target, PROMPTS[15], max_new_tokens=30, pad_token_id=0))
+
+
+def test_tokens_equal_to_mask_id_are_kept():
+    target = TARGETS["qwen3"]
+    full = reference("qwen3", 3, 20)
+    mask_like = int(full[0, 3 + 2])  # a token the target really generates
+    draft = tiny_draft(mask_token_id=mask_like)
+    out = draft.spec_generate(target, PROMPTS[3], max_new_tokens=20, temperature=0.0)
+    assert torch.equal(out, full) and (out[0, 3:] == mask_like).any()
+
+
+def test_two_calls_on_the_same_objects_are_independent():
+    target, draft = TARGETS["llama"], tiny_draft()
+    a = draft.spec_generate(target, PROMPTS[15], max_new_tokens=17, temperature=0.0)
+    b = draft.spec_generate(target, PROMPTS[3], max_new_tokens=17, temperature=0.0)
+    c = draft.spec_generate(target, PROMPTS[15], max_new_tokens=17, temperature=0.0)
+    assert torch.equal(a, c) and torch.equal(b, reference("llama", 3, 17))
+
+
+def test_prompt_near_max_position_embeddings_ends_cleanly():
+    target, draft = tiny_target(max_position_embeddings=56), tiny_draft()
+    ids = PROMPTS[50]
+    out = draft.spec_generate(target, ids, max_new_tokens=30, temperature=0.0)
+    assert out.shape[1] == 57  # last verify covers position 55; its bonus token is the 57th
+    ref = generate(target, ids, max_new_tokens=7)
+    assert torch.equal(out, ref)
+
+
+def test_mixed_dtypes_run_and_fp32_target_stays_exact():
+    target = TARGETS["qwen3"]
+    draft = tiny_draft().to(torch.bfloat16)
+    out = draft.spec_generate(target, PROMPTS[15], max_new_tokens=17, temperature=0.0)
+    assert torch.equal(out, reference("qwen3", 15, 17))
+    half_target = tiny_target().to(torch.float16)
+    out = tiny_draft().spec_generate(half_target, PROMPTS[3], max_new_tokens=9, temperature=0.0)
+    assert out.shape == (1, 12)
+
+
+def test_generation_config_defaults_and_explicit_arguments():
+    target, draft = tiny_target(), tiny_draft()
+    target.generation_config.max_new_tokens = 5
+    target.generation_config.do_sample = False
+    assert draft.spec_generate(target, PROMPTS[3]).shape == (1, 8)
+    assert draft.spec_generate(target, PROMPTS[3], max_new_tokens=2).shape == (1, 5)
+    out = draft.spec_generate(target, PROMPTS[3], max_new_tokens=0, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, PROMPTS[3]) and out.num_target_forwards == 0
+    timed = draft.spec_generate(target, PROMPTS[3], max_new_tokens=9, output_timings=True,
+                                return_dict_in_generate=True)
+    assert timed.timings["new_tokens"] == 9 and timed.timings["total_s"] > 0
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    target, draft = TARGETS["qwen3"], tiny_draft()
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        return draft.spec_generate(target, PROMPTS[3], max_new_tokens=20, temperature=1.0, top_k=0, generator=g)
+
+    assert torch.equal(run(0), run(0))
+    assert not torch.equal(run(0), run(1))
+
+
+def test_left_padding_with_attention_mask_is_stripped():
+    target, draft = TARGETS["qwen3"], tiny_draft()
+    ids = torch.cat([torch.zeros(1, 4, dtype=torch.long), PROMPTS[3]], 1)
+    mask = torch.cat([torch.zeros(1, 4), torch.ones(1, 3)], 1).long()
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=9, temperature=0.0)
+    assert torch.equal(out, reference("qwen3", 3, 9))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, ValueError, "empty"),
+        ({"input_ids": torch.zeros(3, dtype=torch.long)}, ValueError, "LongTensor"),
+        ({"block_size": 5}, ValueError, r"block_size must be in \[1, 4\]"),
+        ({"block_size": 0}, ValueError, "block_size"),
+        ({"max_new_tokens": -1}, ValueError, "max_new_tokens"),
+        ({"temperature": -0.5}, ValueError, "temperature"),
+        ({"top_p": 1.5, "temperature": 1.0}, ValueError, "top_p"),
+        ({"top_k": -1, "temperature": 1.0}, ValueError, "top_k"),
+        ({"attention_mask": torch.ones(1, 4)}, ValueError, "attention_mask shape"),
+        ({"attention_mask": torch.tensor([[1, 0, 1]])}, ValueError, "left padding"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long)}, NotImplementedError, "batch"),
+    ],
+)
+def test_bad_input_is_rejected(kwargs, error, match):
+    target, draft = TARGETS["qwen3"], tiny_draft()
+    call = {"input_ids": PROMPTS[3], "max_new_tokens": 4, "temperature": 0.0, **kwargs}
+    with pytest.raises(error, match=match):
+        draft.spec_generate(target, **call)
+
+
+@pytest.mark.parametrize(
+    "draft_kwargs, target_kwargs, match",
+    [
+        ({"target_hidden_size": 48}, {}, "fc expects 96 input features"),
+        ({"target_layer_ids": [0, 5], "num_target_layers": None}, {}, "beyond"),
+        ({"num_target_layers": 4}, {"layers": 4}, None),
+        ({}, {"layers": 4}, "3-layer target"),
+        ({}, {"vocab_size": 90}, "mask_token_id=96"),
+    ],
+)
+def test_draft_target_mismatch_is_caught_before_work(draft_kwargs, target_kwargs, match):
+    target, draft = tiny_target(**target_kwargs), tiny_draft(**draft_kwargs)
+    calls = []
+    target.register_forward_pre_hook(lambda *a: calls.append(1))
+    if match is None:  # a matching pair passes
+        draft.spec_generate(target, PROMPTS[3], max_new_tokens=3, temperature=0.0)
+        return
+    with pytest.raises(ValueError, match=match):
+        draft.spec_generate(target, PROMPTS[3], max_new_tokens=3, temperature=0.0)
+    assert calls == []
+
+
+def test_unsupported_generation_config_option_is_named():
+    target, draft = tiny_target(), tiny_draft()
+    target.generation_config.repetition_penalty = 1.3
+    with pytest.raises(NotImplementedError, match="repetition_penalty=1.3"):
+        draft.spec_generate(target, PROMPTS[3], max_new_tokens=3, temperature=0.0)
+
+
+def test_streamer_gets_prompt_once_then_exactly_the_new_tokens():
+    class Recorder:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    target, draft = TARGETS["qwen3"], tiny_draft()
+    rec = Recorder()
+    out = draft.spec_generate(target, PROMPTS[15], max_new_tokens=21, temperature=0.0, streamer=rec)
+    assert rec.chunks[0] == PROMPTS[15][0].tolist() and rec.ended
+    assert sum(rec.chunks[1:], []) == out[0, 15:].tolist()
