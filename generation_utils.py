@@ -241,7 +241,7 @@ def _prepare_input_ids(input_ids, attention_mask):
 # ----------------------------------------------------------------------------- the decode loop
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: callers may feed the output to autograd (e.g. drafter training)
 def spec_generate(
     draft,
     target,

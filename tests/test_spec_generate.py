@@ -1,3 +1,4 @@
+import contextlib
 import itertools
 
 import pytest
@@ -249,3 +250,76 @@ def test_streamer_gets_prompt_once_then_exactly_the_new_tokens():
     out = draft.spec_generate(target, PROMPTS[15], max_new_tokens=21, temperature=0.0, streamer=rec)
     assert rec.chunks[0] == PROMPTS[15][0].tolist() and rec.ended
     assert sum(rec.chunks[1:], []) == out[0, 15:].tolist()
+
+
+def _spy_draft_calls(monkeypatch):
+    """Record (start, cache length before, context features, real draft logits) for every draft call."""
+    calls = []
+    real = generation_utils._draft_logits
+
+    def spy(draft, embed, head, anchor, context, draft_cache, start, b, mask_token_id):
+        cached = draft_cache.get_seq_length()
+        logits = real(draft, embed, head, anchor, context, draft_cache, start, b, mask_token_id)
+        calls.append((start, cached, context.clone(), logits.clone()))
+        return logits
+
+    monkeypatch.setattr(generation_utils, "_draft_logits", spy)
+    return calls
+
+
+def test_draft_context_is_exactly_the_target_features_before_the_anchor(monkeypatch, oracle):
+    """After accepts and rollbacks, each draft call sees HF hidden_states[k + 1] of positions < anchor."""
+    target, draft = TARGETS["qwen3"], tiny_draft(block_size=8)
+    calls = _spy_draft_calls(monkeypatch)
+    _, _, handle = oracle(reference("qwen3", 3), [0, 7, 2, 5, 1], target)
+    try:
+        out = draft.spec_generate(target, PROMPTS[3], max_new_tokens=40, temperature=0.0)
+    finally:
+        handle.remove()
+    hidden = target(out, output_hidden_states=True).hidden_states
+    full = torch.cat([hidden[k + 1] for k in draft.config.target_layer_ids], dim=-1)
+    assert len(calls) > 5
+    for start, cached, context, _ in calls:
+        assert cached + context.shape[1] == start
+        torch.testing.assert_close(context, full[:, cached:start], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("offset, changes", [(0, False), (-1, True), (-3, True)])
+def test_feature_at_the_anchor_is_invisible_the_one_before_is_seen(monkeypatch, oracle, offset, changes):
+    """Perturb only the captured feature of position anchor+offset; compare the draft at that anchor."""
+    target, draft = TARGETS["qwen3"], tiny_draft(block_size=4)
+    anchor = 9
+    real_capture, real_draft_logits = generation_utils.capture_target_features, generation_utils._draft_logits
+
+    def run(perturb_at):
+        positions = []
+        handle = target.register_forward_pre_hook(
+            lambda m, a, kw: positions.append(kw["position_ids"][0]), with_kwargs=True)
+
+        @contextlib.contextmanager
+        def capture(model, layer_ids):
+            with real_capture(model, layer_ids) as get:
+                def perturbed():
+                    feats = get().clone()
+                    feats[:, positions[-1] == perturb_at] += 5.0
+                    return feats
+                yield perturbed
+
+        monkeypatch.setattr(generation_utils, "capture_target_features", capture)
+        calls = _spy_draft_calls(monkeypatch)
+        o_handle = oracle(reference("qwen3", 3), [0], target)[2]  # always rejected: every position anchors
+        try:
+            draft.spec_generate(target, PROMPTS[3], max_new_tokens=12, temperature=0.0)
+        finally:
+            handle.remove()
+            o_handle.remove()
+        monkeypatch.setattr(generation_utils, "capture_target_features", real_capture)
+        monkeypatch.setattr(generation_utils, "_draft_logits", real_draft_logits)
+        return {start: logits for start, _, _, logits in calls}
+
+    base, perturbed = run(perturb_at=-100), run(perturb_at=anchor + offset)
+    assert anchor in base and anchor in perturbed
+    assert (not torch.allclose(base[anchor], perturbed[anchor])) == changes
+    for start in base:  # drafts anchored at or before the perturbed position never see it
+        if start <= anchor + offset:
+            torch.testing.assert_close(base[start], perturbed[start], rtol=0, atol=0)
