@@ -32,9 +32,12 @@ _UNSUPPORTED = {
 class DFlashGenerateOutput:
     """What ``spec_generate(..., return_dict_in_generate=True)`` returns.
 
-    sequences: ``(1, prompt_len + new_len)`` LongTensor, prompt first.
-    acceptance_lengths: tokens committed by each verify step, bonus token included (1..block_size);
-        their mean is the acceptance length tau. The token from the prefill is not counted.
+    sequences: ``(B, prompt_len + new_len)`` LongTensor, prompt first, right padded.
+    acceptance_lengths: tokens each verify step accepted, bonus token included (1..block_size), all
+        rows in row order; their mean is the acceptance length tau. Counted before the cut at a
+        stop token or ``max_new_tokens``; the prefill token is not counted.
+    row_acceptance_lengths: the same, one list per row.
+    num_new_tokens: new tokens per row (the real length of each row's continuation).
     num_draft_forwards / num_target_forwards: forward passes (the target's include the prefill).
     timings: only with ``output_timings=True``: ``prefill_s``, ``decode_s``, ``total_s`` (seconds,
         device-synchronised) and ``new_tokens``.
@@ -42,6 +45,8 @@ class DFlashGenerateOutput:
 
     sequences: torch.LongTensor = None
     acceptance_lengths: list = field(default_factory=list)
+    row_acceptance_lengths: list = field(default_factory=list)
+    num_new_tokens: list = field(default_factory=list)
     num_draft_forwards: int = 0
     num_target_forwards: int = 0
     timings: Optional[dict] = None
@@ -97,6 +102,14 @@ def capture_target_features(target, layer_ids):
 
 # ----------------------------------------------------------------------------- small helpers
 
+# generate()'s own fallbacks for fields a generation_config leaves unset (5.x stores None for them).
+_GENERATE_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "max_length": 20}
+
+
+def _gen(generation_config, name):
+    value = getattr(generation_config, name, None)
+    return _GENERATE_DEFAULTS.get(name) if value is None else value
+
 
 def crop_cache(cache, length: int) -> None:
     """Cut a transformers cache back to ``length`` tokens, on 4.57 and 5.x alike.
@@ -126,9 +139,9 @@ def _resolve_stop_ids(stop_token_ids, generation_config):
 
 
 def _logits_warpers(temperature, top_k, top_p, min_p) -> LogitsProcessorList:
-    """The sampling warpers of ``generate`` in its order: temperature, top-k, top-p, min-p."""
+    """The sampling warpers of ``generate``, in its order: temperature, top-k, top-p, min-p."""
     warpers = LogitsProcessorList()
-    if temperature is not None and temperature != 1.0:
+    if temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(temperature))
     if top_k is not None and top_k != 0:
         warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
@@ -139,25 +152,82 @@ def _logits_warpers(temperature, top_k, top_p, min_p) -> LogitsProcessorList:
     return warpers
 
 
+def speculative_verify(draft_tokens, draft_probs, target_probs, generator=None):
+    """Speculative sampling acceptance (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023).
+
+    Draft token ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``, in order, until
+    the first rejection; there the next token is drawn from ``norm(max(p_j - q_j, 0))``; if all are
+    accepted, the bonus token is drawn from ``p_{n}``. The committed tokens are then distributed
+    exactly as the target's own samples. A one-hot ``q`` (greedy draft) is a valid special case.
+
+    Args:
+        draft_tokens: ``(B, n)`` LongTensor, drawn from ``draft_probs``.
+        draft_probs: ``(B, n, V)`` float, the draft's processed distributions q.
+        target_probs: ``(B, n + 1, V)`` float, the target's processed distributions p after each
+            block slot (slot j predicts the token after it; the last one gives the bonus token).
+        generator: ``torch.Generator`` for the uniforms and the residual draw.
+
+    Returns:
+        ``(accepted (B,), next_token (B,))``: accepted draft count in ``[0, n]`` and the token that
+        follows them (residual sample or bonus).
+    """
+    bsz, n = draft_tokens.shape
+    rows = torch.arange(bsz, device=draft_tokens.device)
+    p_x = target_probs[:, :n].gather(-1, draft_tokens[..., None])[..., 0]
+    q_x = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    u = torch.rand(bsz, n, generator=generator, device=draft_tokens.device)
+    ok = u * q_x < p_x  # u < p/q, with q(x) > 0 because x was drawn from q
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    p_next = target_probs[rows, accepted]
+    q_next = torch.cat([draft_probs, target_probs.new_zeros(bsz, 1, target_probs.shape[-1])], dim=1)[rows, accepted]
+    residual = (p_next - q_next).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p_next)  # p == q: never rejected
+    return accepted, torch.multinomial(residual, 1, generator=generator)[:, 0]
+
+
 @dataclass
 class _Sampling:
     """Resolved decoding settings; ``warpers`` is None for greedy decoding."""
 
     warpers: Optional[LogitsProcessorList]
     generator: Optional[torch.Generator]
+    sample_draft: bool = True
 
-    def choose(self, logits: torch.Tensor) -> torch.LongTensor:
-        """``(b, n, V)`` logits -> ``(b, n)`` tokens: argmax, or a sample of the warped distribution."""
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``(B, n, V)`` logits -> processed probabilities, fp32."""
+        b, n, v = logits.shape
+        return torch.softmax(self.warpers(None, logits.reshape(b * n, v).float()), dim=-1).view(b, n, v)
+
+    def first(self, logits: torch.Tensor) -> torch.LongTensor:
+        """The prefill token ``(B,)`` from the last prompt logits ``(B, V)``."""
         if self.warpers is None:
             return logits.argmax(dim=-1)
-        b, n, v = logits.shape
-        scores = self.warpers(None, logits.reshape(b * n, v).float())
-        probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).view(b, n)
+        return torch.multinomial(self.probs(logits[:, None])[:, 0], 1, generator=self.generator)[:, 0]
+
+    def propose(self, draft_logits: torch.Tensor):
+        """Draft tokens ``(B, n)`` and their distribution q ``(B, n, V)`` (None when greedy)."""
+        if self.warpers is None:
+            return draft_logits.argmax(dim=-1), None
+        q = self.probs(draft_logits)
+        if not self.sample_draft:
+            tokens = q.argmax(dim=-1)
+            return tokens, torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype)
+        tokens = torch.multinomial(q.flatten(0, 1), 1, generator=self.generator).view(q.shape[:2])
+        return tokens, q
+
+    def verify(self, drafts, q, target_logits):
+        """``(accepted (B,), next_token (B,))`` for the block's drafts ``(B, n)``; see ``speculative_verify``."""
+        if self.warpers is None:  # greedy: keep drafts equal to the target's argmax
+            choice = target_logits.argmax(dim=-1)  # (B, n + 1)
+            accepted = (drafts == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+            return accepted, choice.gather(1, accepted[:, None])[:, 0]
+        p = self.probs(target_logits)
+        return speculative_verify(drafts, p[:, :0] if q is None else q, p, self.generator)
 
 
-def _resolve_sampling(generation_config, temperature, do_sample, top_k, top_p, min_p, generator):
-    """Explicit arguments win, then the target's ``generation_config``, as in ``generate``.
+def _resolve_sampling(generation_config, temperature, do_sample, top_k, top_p, min_p, generator, sample_draft):
+    """Explicit arguments win, then the target's ``generation_config``, then generate's defaults.
 
     ``do_sample`` unset: an explicit ``temperature`` decides (0 -> greedy, > 0 -> sampling, the
     published z-lab usage), else ``generation_config.do_sample``. Temperature 0 is always greedy.
@@ -170,20 +240,20 @@ def _resolve_sampling(generation_config, temperature, do_sample, top_k, top_p, m
     if min_p is not None and not 0 <= min_p <= 1:
         raise ValueError(f"min_p must be in [0, 1], got {min_p}")
     if do_sample is None:
-        do_sample = temperature > 0 if temperature is not None else bool(generation_config.do_sample)
-    temperature = temperature if temperature is not None else generation_config.temperature
+        do_sample = temperature > 0 if temperature is not None else bool(_gen(generation_config, "do_sample"))
+    temperature = temperature if temperature is not None else _gen(generation_config, "temperature")
     if not do_sample or temperature == 0:
         return _Sampling(None, generator)
-    top_k = top_k if top_k is not None else generation_config.top_k
-    top_p = top_p if top_p is not None else generation_config.top_p
+    top_k = top_k if top_k is not None else _gen(generation_config, "top_k")
+    top_p = top_p if top_p is not None else _gen(generation_config, "top_p")
     min_p = min_p if min_p is not None else getattr(generation_config, "min_p", None)
-    return _Sampling(_logits_warpers(temperature, top_k, top_p, min_p), generator)
+    return _Sampling(_logits_warpers(temperature, top_k, top_p, min_p), generator, sample_draft)
 
 
 def _check_generation_config(generation_config):
     for name, neutral in _UNSUPPORTED.items():
         value = getattr(generation_config, name, neutral)
-        if value is not None and value != neutral and not (name == "min_length" and value == 0):
+        if value is not None and value != neutral:
             raise NotImplementedError(
                 f"generation_config.{name}={value!r} is not supported by spec_generate (expected {neutral!r}); "
                 "pass generation_config=GenerationConfig(...) without it"
@@ -203,9 +273,7 @@ def check_pairing(draft, target):
             f"{n_feat} layers x hidden {t_hidden} = {n_feat * t_hidden}: this draft was not trained for this target"
         )
     if cfg.hidden_size != t_hidden or head.weight.shape[1] != cfg.hidden_size:
-        raise ValueError(
-            f"draft hidden_size={cfg.hidden_size} must equal the target embedding/head width {t_hidden}"
-        )
+        raise ValueError(f"draft hidden_size={cfg.hidden_size} must equal the target embedding/head width {t_hidden}")
     if max(cfg.target_layer_ids) >= len(layers):
         raise ValueError(f"target_layer_ids {cfg.target_layer_ids} reach beyond the target's {len(layers)} layers")
     if cfg.num_target_layers is not None and cfg.num_target_layers != len(layers):
@@ -221,21 +289,33 @@ def check_pairing(draft, target):
         )
 
 
-def _prepare_input_ids(input_ids, attention_mask):
+def _has_sliding_layers(target) -> bool:
+    cfg = target.config.get_text_config()
+    return "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or bool(
+        getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None))
+
+
+def _prepare_inputs(input_ids, attention_mask):
+    """Validate ``input_ids`` ``(B, L)`` and the left-padding ``attention_mask``; returns the mask."""
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError(f"input_ids must be a (batch, prompt_len) LongTensor, got {getattr(input_ids, 'shape', input_ids)}")
-    if input_ids.shape[0] != 1:
-        raise NotImplementedError(f"spec_generate supports batch size 1 for now, got batch {input_ids.shape[0]}")
-    if attention_mask is not None:
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        keep = attention_mask[0].bool()
-        if keep.any() and not keep[keep.nonzero()[0, 0]:].all():
-            raise ValueError("attention_mask must be left padding (zeros only before the first real token)")
-        input_ids = input_ids[:, keep]
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: spec_generate needs at least one input token")
-    return input_ids
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError("attention_mask must hold only 0 and 1")
+    if (mask[:, 1:] < mask[:, :-1]).any():
+        raise ValueError(
+            "attention_mask must be left padding (zeros only before the first real token); "
+            "use tokenizer.padding_side = 'left'"
+        )
+    if (mask.sum(1) == 0).any():
+        raise ValueError("a row of attention_mask is all zeros: that prompt is empty")
+    return mask
 
 
 # ----------------------------------------------------------------------------- the decode loop
@@ -254,6 +334,7 @@ def spec_generate(
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
+    sample_draft: bool = True,
     block_size: Optional[int] = None,
     attention_mask: Optional[torch.Tensor] = None,
     generation_config: Optional[GenerationConfig] = None,
@@ -263,41 +344,61 @@ def spec_generate(
     output_timings: bool = False,
     mask_token_id: Optional[int] = None,
 ):
-    """Generate with ``target``, drafting blocks with ``draft``; output equals the target alone.
+    """Generate with ``target``, drafting blocks with ``draft``; the output is the target's own.
 
     Args:
         draft: a ``DFlashDraftModel``.
         target: the causal LM the draft was trained for (any device/dtype; features are cast).
-        input_ids: ``(1, prompt_len)`` LongTensor (left padding allowed with ``attention_mask``).
-        max_new_tokens: upper bound on new tokens (tokens); None -> ``generation_config``.
+        input_ids: ``(B, prompt_len)`` LongTensor; rows of different lengths are LEFT padded and
+            described by ``attention_mask`` (1 = real token).
+        max_new_tokens: upper bound on new tokens per row; None -> ``generation_config``.
         stop_token_ids: int or list; None -> ``generation_config.eos_token_id``; ``[]`` -> none.
-            Generation ends right after the first stop token, even inside an accepted block.
-        temperature, do_sample, top_k, top_p, min_p: as in ``generate``; None -> the target's
-            ``generation_config``. Temperature 0 or ``do_sample=False`` is greedy and gives exactly
-            ``target.generate(do_sample=False)``. Sampling is lossless: a draft token is accepted only
-            when it equals the target's own sample at that position (the draft proposes its argmax).
+            A row ends right after its first stop token, even inside an accepted block.
+        temperature, do_sample, top_k, top_p, min_p: as in ``generate`` (None -> the target's
+            ``generation_config``, then generate's defaults such as ``top_k=50``), applied with
+            transformers' own logits warpers to target and draft logits alike. Temperature 0 or
+            ``do_sample=False`` is greedy and equals ``target.generate(do_sample=False)`` token for
+            token in fp32. Sampling is exact speculative sampling (``speculative_verify``).
+        sample_draft: under sampling, draw draft tokens from the draft's processed distribution q
+            (default) rather than taking its argmax. Default because acceptance is then
+            ``sum_x min(p, q)``, which tends to 1 as the draft matches the target, while a one-hot
+            draft is accepted with ``p(argmax q) <= max p``: at temperature 1 that is often well
+            below 1. Both are exact.
         block_size: per-call block size in ``[1, draft.config.block_size]``.
-        generator: ``torch.Generator`` for reproducible sampling.
-        streamer: a transformers ``BaseStreamer``; gets the prompt once, then each committed chunk.
+        generator: ``torch.Generator`` (on the target's device) for reproducible sampling.
+        streamer: a transformers ``BaseStreamer`` (batch size 1): gets the prompt once, then each
+            committed chunk, never a token past a stop token or ``max_new_tokens``.
         return_dict_in_generate: return a [`DFlashGenerateOutput`] instead of the tensor.
         output_timings: add device-synchronised wall-clock timings (seconds) to the output.
         mask_token_id: override of ``draft.config.mask_token_id``.
 
     Returns:
-        ``(1, prompt_len + new_len)`` LongTensor, prompt first (or a [`DFlashGenerateOutput`]).
-        The output is cut by length, never by value: tokens equal to ``mask_token_id`` are kept.
+        ``(B, prompt_len + new_len)`` LongTensor: the prompt as given, then each row's new tokens,
+        right padded with the pad token (``generation_config.pad_token_id``, else the first eos,
+        else 0) up to the longest row. Cut by length, never by value: tokens equal to
+        ``mask_token_id`` are kept. Or a [`DFlashGenerateOutput`].
+
+    Batches: every row keeps its own true positions (``cumsum(attention_mask) - 1``) and accepts its
+    own number of tokens per step. Rows share one KV cache per model; slots a row does not own
+    (left padding, drafts it rejected while another row accepted more) are masked out of attention
+    by the 2-D attention mask, and RoPE uses the explicit positions, so each row computes exactly
+    what it computes alone, up to floating-point summation order. Finished rows are dropped from
+    the caches. Holes would shift a sliding-window target's window (transformers windows count
+    cache slots), so batches of sliding-window targets are refused; the draft's own sliding layers
+    take key positions from the mask and stay exact.
 
     Raises:
         ValueError: bad input or a draft not built for this target, before any forward pass.
-        NotImplementedError: batch > 1, recurrent-state targets, unsupported generation_config options.
+        NotImplementedError: recurrent-state targets, sliding-window targets with batch > 1,
+            unsupported ``generation_config`` options.
     """
     generation_config = generation_config if generation_config is not None else target.generation_config
     _check_generation_config(generation_config)
-    input_ids = _prepare_input_ids(input_ids, attention_mask)
+    prompt_mask = _prepare_inputs(input_ids, attention_mask)
     if max_new_tokens is None:
         max_new_tokens = generation_config.max_new_tokens
         if max_new_tokens is None:
-            max_new_tokens = max(generation_config.max_length - input_ids.shape[1], 0)
+            max_new_tokens = max(_gen(generation_config, "max_length") - input_ids.shape[1], 0)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     trained = draft.config.block_size
@@ -305,21 +406,33 @@ def spec_generate(
     if not 1 <= block_size <= trained:
         raise ValueError(f"block_size must be in [1, {trained}] (the trained block size), got {block_size}")
     mask_token_id = draft.config.mask_token_id if mask_token_id is None else mask_token_id
-    sampling = _resolve_sampling(generation_config, temperature, do_sample, top_k, top_p, min_p, generator)
+    sampling = _resolve_sampling(generation_config, temperature, do_sample, top_k, top_p, min_p, generator,
+                                 sample_draft)
     stop_ids = _resolve_stop_ids(stop_token_ids, generation_config)
     check_pairing(draft, target)
+    if input_ids.shape[0] > 1 and streamer is not None:
+        raise ValueError(f"streamer supports batch size 1, got batch {input_ids.shape[0]}")
+    if input_ids.shape[0] > 1 and _has_sliding_layers(target):
+        raise NotImplementedError(
+            "batched spec_generate with a sliding-window target is not exact (cache holes shift its window); "
+            "run the prompts one at a time"
+        )
     if return_dict_in_generate is None:
         return_dict_in_generate = bool(getattr(generation_config, "return_dict_in_generate", False))
+    pad = generation_config.pad_token_id
+    if pad is None:
+        pad = stop_ids[0] if stop_ids else 0
 
     device = target.get_input_embeddings().weight.device
-    input_ids = input_ids.to(device)
-    out = DFlashGenerateOutput(sequences=input_ids)
+    input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
     if streamer is not None:
-        streamer.put(input_ids.cpu())
+        streamer.put(input_ids[0].cpu())
+    out = DFlashGenerateOutput(sequences=input_ids, row_acceptance_lengths=[[] for _ in input_ids],
+                               num_new_tokens=[0] * input_ids.shape[0])
     if max_new_tokens > 0:
         with capture_target_features(target, draft.config.target_layer_ids) as features:
-            out = _decode(draft, target, input_ids, max_new_tokens, block_size, mask_token_id, sampling,
-                          stop_ids, features, streamer, output_timings)
+            _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, mask_token_id,
+                    sampling, stop_ids, features, streamer, output_timings, pad, out)
     if streamer is not None:
         streamer.end()
     return out if return_dict_in_generate else out.sequences
@@ -331,75 +444,171 @@ def _sync(device):
     return time.perf_counter()
 
 
-def _draft_logits(draft, embed, head, anchor, context, draft_cache, start, b, mask_token_id):
-    """One draft pass over ``[anchor, MASK x (b-1)]`` at positions ``start..start+b-1``.
+def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
+    """One draft pass over ``[anchor, MASK x (b-1)]`` at positions ``start..start+b-1`` per row.
 
-    ``context`` ``(1, n, F)`` holds the features of positions ``cache_len..start-1`` (everything
-    before the anchor not yet in ``draft_cache``). Returns draft logits ``(1, b-1, V)`` for slots
-    1..b-1 and leaves ``draft_cache`` holding context K/V of positions ``0..start-1`` only.
+    Args:
+        anchor: ``(B, 1)`` last committed token of each row; ``start`` ``(B,)`` its position.
+        ctx: ``_Context`` with the features ``(B, C, F)`` of positions before the anchor that are not
+            yet in ``draft_cache``, their positions ``(B, C)`` and validity ``(B, C)``.
+        draft_valid: ``(B, cache_len)`` validity of the cached slots, or None when all are valid.
+
+    Returns draft logits ``(B, b-1, V)`` for slots 1..b-1; ``draft_cache`` keeps context K/V only.
     """
-    noise = torch.cat([anchor, anchor.new_full((1, b - 1), mask_token_id)], dim=1)
-    pos = torch.arange(draft_cache.get_seq_length(), start + b, device=anchor.device)[None]
-    hidden = draft(position_ids=pos, noise_embedding=embed(noise), target_hidden=context,
-                   past_key_values=draft_cache, use_cache=True)
-    crop_cache(draft_cache, start)  # block K/V are thrown away
+    bsz = anchor.shape[0]
+    noise = torch.cat([anchor, anchor.new_full((bsz, b - 1), mask_token_id)], dim=1)
+    block_pos = start[:, None] + torch.arange(b, device=anchor.device)
+    key_valid = None
+    if draft_valid is not None or not bool(ctx.valid.all()):
+        cached = draft_valid if draft_valid is not None else ctx.valid.new_ones(bsz, draft_cache.get_seq_length())
+        key_valid = torch.cat([cached, ctx.valid, ctx.valid.new_ones(bsz, b)], dim=1)
+    kept = draft_cache.get_seq_length() + ctx.features.shape[1]
+    hidden = draft(position_ids=torch.cat([ctx.positions, block_pos], dim=1), noise_embedding=embed(noise),
+                   target_hidden=ctx.features, past_key_values=draft_cache, use_cache=True, attention_mask=key_valid)
+    crop_cache(draft_cache, kept)  # block K/V are thrown away
     return head(hidden[:, 1:].to(head.weight.dtype))
 
 
-def _decode(draft, target, input_ids, max_new_tokens, block_size, mask_token_id, sampling, stop_ids,
-            features, streamer, output_timings):
-    """The speculative loop for one sequence; positions are contiguous, so cache length == position."""
-    device, prompt_len = input_ids.device, input_ids.shape[1]
+@dataclass
+class _Context:
+    """Target features not yet in the draft cache: ``features (B, C, F)``, ``positions``/``valid`` ``(B, C)``."""
+
+    features: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass
+class _Rows:
+    """Per-row state of the rows still generating (index ``i`` is original row ``ids[i]``)."""
+
+    ids: torch.Tensor  # (A,) original row indices
+    anchor: torch.Tensor  # (A, 1) last committed token, not yet seen by the target
+    start: torch.Tensor  # (A,) position of the anchor
+    n_new: torch.Tensor  # (A,) new tokens committed so far
+    target_valid: torch.Tensor  # (A, target cache length) 1 = slot holds a committed token of this row
+    draft_valid: Optional[torch.Tensor]  # (A, draft cache length), None while every slot is valid
+    ctx: _Context
+
+    def select(self, keep):
+        for name in ("ids", "anchor", "start", "n_new", "target_valid"):
+            setattr(self, name, getattr(self, name)[keep])
+        self.draft_valid = None if self.draft_valid is None else self.draft_valid[keep]
+        self.ctx = _Context(self.ctx.features[keep], self.ctx.positions[keep], self.ctx.valid[keep])
+
+
+def _forward_target(target, cache_kw, cache, tokens, positions, valid):
+    """Target logits ``(A, n, V)`` for ``tokens`` at ``positions``, over cache slots marked ``valid``."""
+    mask = None if bool(valid.all()) else torch.cat([valid, valid.new_ones(tokens.shape)], dim=1)
+    return target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                  **{cache_kw: cache}).logits
+
+
+def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, mask_token_id, sampling,
+            stop_ids, features, streamer, output_timings, pad, out):
+    """The speculative loop; fills ``out`` in place."""
+    device, (bsz, prompt_len) = input_ids.device, input_ids.shape
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     cache_kw = _cache_kwarg(target)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 62
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    out = DFlashGenerateOutput(num_target_forwards=1)
+    chunks = [[] for _ in range(bsz)]
     t0 = _sync(device) if output_timings else None
 
-    # Prefill: the target's first token is the first anchor.
-    positions = torch.arange(prompt_len, device=device)[None]
-    logits = target(input_ids=input_ids, position_ids=positions, use_cache=True, **{cache_kw: target_cache}).logits
-    tokens = [input_ids, sampling.choose(logits[:, -1:])]
-    context = features()  # (1, prompt_len, n_feat * H): features of positions < anchor
-    t1 = _sync(device) if output_timings else None
+    # Prefill: each row's first token becomes its first anchor.
+    positions = (prompt_mask.cumsum(1) - 1).clamp_min(0)  # true positions under left padding
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+    logits = target(input_ids=input_ids, position_ids=positions, use_cache=True, **extra,
+                    attention_mask=None if bool(prompt_mask.all()) else prompt_mask,
+                    **{cache_kw: target_cache}).logits
+    first = sampling.first(logits[:, -1])
+    out.num_target_forwards, out.num_draft_forwards = 1, 0
+    rows = _Rows(ids=torch.arange(bsz, device=device), anchor=first[:, None], start=prompt_mask.sum(1),
+                 n_new=torch.ones(bsz, dtype=torch.long, device=device), target_valid=prompt_mask,
+                 draft_valid=None, ctx=_Context(features(), positions, prompt_mask))
+    for r, token in enumerate(first.tolist()):
+        chunks[r].append([token])
     if streamer is not None:
-        streamer.put(tokens[-1].cpu())
-    n_new, start = 1, prompt_len  # start = position of the anchor (committed, not yet seen by the target)
-    done = bool(torch.isin(tokens[-1], stop).any()) or n_new >= max_new_tokens
+        streamer.put(first.cpu())
+    t1 = _sync(device) if output_timings else None
+    finished = torch.isin(first, stop) | (rows.n_new >= max_new_tokens) | (rows.start >= max_positions)
 
-    while not done and start < max_positions:
-        b = min(block_size, max_new_tokens - n_new, max_positions - start)
-        block = tokens[-1][:, -1:]
-        if b > 1:
-            logits = _draft_logits(draft, embed, head, block, context, draft_cache, start, b, mask_token_id)
-            block = torch.cat([block, logits.argmax(dim=-1).to(device)], dim=1)  # (1, b)
+    while True:
+        if bool(finished.any()):  # drop finished rows from every forward pass
+            keep = (~finished).nonzero()[:, 0]
+            if len(keep) == 0:
+                break
+            for cache in (target_cache, draft_cache):
+                cache.batch_select_indices(keep)
+            rows.select(keep)
+        b = min(block_size, int((max_new_tokens - rows.n_new).max()), int((max_positions - rows.start).min()))
+        block, q = rows.anchor, None
+        drafted = b > 1
+        if drafted:
+            logits = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
+                                   rows.start, b, mask_token_id)
+            drafts, q = sampling.propose(logits)
+            block = torch.cat([rows.anchor, drafts.to(device)], dim=1)  # (A, b)
             out.num_draft_forwards += 1
-        pos = torch.arange(start, start + b, device=device)[None]
-        logits = target(input_ids=block, position_ids=pos, use_cache=True, **{cache_kw: target_cache}).logits
+            if rows.draft_valid is not None or not bool(rows.ctx.valid.all()):
+                cached = rows.draft_valid
+                if cached is None:
+                    cached = rows.ctx.valid.new_ones(len(rows.ids), draft_cache.get_seq_length() - rows.ctx.valid.shape[1])
+                rows.draft_valid = torch.cat([cached, rows.ctx.valid], dim=1)
+        positions = rows.start[:, None] + torch.arange(b, device=device)
+        logits = _forward_target(target, cache_kw, target_cache, block, positions, rows.target_valid)
         out.num_target_forwards += 1
-        choice = sampling.choose(logits)  # (1, b): the target's token after each block slot
-        accepted = int((block[:, 1:] == choice[:, :-1]).long().cumprod(dim=1).sum())
-        new = torch.cat([block[:, 1 : accepted + 1], choice[:, accepted : accepted + 1]], dim=1)
-        out.acceptance_lengths.append(accepted + 1)
-        hits = torch.isin(new[0], stop).nonzero()
-        if len(hits):
-            new, done = new[:, : int(hits[0]) + 1], True
-        tokens.append(new)
-        if streamer is not None:
-            streamer.put(new[0].cpu())
-        context = features()[:, : accepted + 1]  # anchor + accepted drafts become context
-        start += accepted + 1
-        crop_cache(target_cache, start)
-        n_new += new.shape[1]
-        done = done or n_new >= max_new_tokens
+        accepted, next_token = sampling.verify(block[:, 1:], q, logits)
+        committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor
+        new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
 
-    out.sequences = torch.cat(tokens, dim=1)
+        # Commit per row: cut at the first stop token and at max_new_tokens (by length, never by value).
+        finished = rows.start + committed >= max_positions
+        budget = (max_new_tokens - rows.n_new).tolist()
+        for i, (r, a, row_new) in enumerate(zip(rows.ids.tolist(), committed.tolist(), new.tolist())):
+            take = row_new[: min(a, budget[i])]
+            hit = next((j for j, t in enumerate(take) if t in stop_ids), None)
+            if hit is not None:
+                take = take[: hit + 1]
+            chunks[r].append(take)
+            out.row_acceptance_lengths[r].append(a)
+            if hit is not None or len(take) >= budget[i]:
+                finished[i] = True
+            if streamer is not None:
+                streamer.put(torch.tensor(take))
+
+        # Roll back: keep the committed slots; rejected ones become holes (masked) for shorter rows.
+        kept = target_cache.get_seq_length() - b + int(committed.max())
+        slot = torch.arange(b, device=device)[None]
+        rows.target_valid = torch.cat([rows.target_valid, (slot < committed[:, None]).long()], dim=1)[:, :kept]
+        crop_cache(target_cache, kept)
+        width = int(committed.max())
+        new_ctx = _Context(features()[:, :width], positions[:, :width], (slot < committed[:, None]).long()[:, :width])
+        rows.ctx = new_ctx if drafted else _Context(*(torch.cat([a, c], 1) for a, c in zip(
+            (rows.ctx.features, rows.ctx.positions, rows.ctx.valid), (new_ctx.features, new_ctx.positions, new_ctx.valid))))
+        rows.start, rows.n_new, rows.anchor = rows.start + committed, rows.n_new + committed, next_token[:, None]
+
+    _assemble(out, input_ids, chunks, pad)
     if output_timings:
         t2 = _sync(device)
-        out.timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0, "new_tokens": n_new}
-    return out
+        out.timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0,
+                       "new_tokens": sum(out.num_new_tokens)}
 
 
-__all__ = ["spec_generate", "capture_target_features", "check_pairing", "crop_cache", "DFlashGenerateOutput"]
+def _assemble(out, input_ids, chunks, pad):
+    """``sequences`` = prompt as given + each row's new tokens, right padded with ``pad``."""
+    rows = [sum(row, []) for row in chunks]
+    width = max(len(r) for r in rows)
+    new = input_ids.new_full((len(rows), width), pad)
+    for i, r in enumerate(rows):
+        new[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    out.sequences = torch.cat([input_ids, new], dim=1)
+    out.num_new_tokens = [len(r) for r in rows]
+    out.acceptance_lengths = [a for row in out.row_acceptance_lengths for a in row]
+
+
+__all__ = [
+    "spec_generate", "speculative_verify", "capture_target_features", "check_pairing", "crop_cache",
+    "DFlashGenerateOutput",
+]

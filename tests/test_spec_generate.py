@@ -33,8 +33,9 @@ def oracle(monkeypatch):
         calls = []
         real = generation_utils._draft_logits
 
-        def fake(draft, embed, head, anchor, context, draft_cache, start, b, mask_token_id):
-            logits = real(draft, embed, head, anchor, context, draft_cache, start, b, mask_token_id)
+        def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
+            logits = real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
+            start = int(start[0])
             assert draft_cache.get_seq_length() == start  # context K/V of positions < anchor only
             right = script[len(calls) % len(script)]
             calls.append((start, b))
@@ -179,7 +180,7 @@ def test_left_padding_with_attention_mask_is_stripped():
     ids = torch.cat([torch.zeros(1, 4, dtype=torch.long), PROMPTS[3]], 1)
     mask = torch.cat([torch.zeros(1, 4), torch.ones(1, 3)], 1).long()
     out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=9, temperature=0.0)
-    assert torch.equal(out, reference("qwen3", 3, 9))
+    assert torch.equal(out[:, :4], ids[:, :4]) and torch.equal(out[:, 4:], reference("qwen3", 3, 9))
 
 
 @pytest.mark.parametrize(
@@ -195,7 +196,8 @@ def test_left_padding_with_attention_mask_is_stripped():
         ({"top_k": -1, "temperature": 1.0}, ValueError, "top_k"),
         ({"attention_mask": torch.ones(1, 4)}, ValueError, "attention_mask shape"),
         ({"attention_mask": torch.tensor([[1, 0, 1]])}, ValueError, "left padding"),
-        ({"input_ids": torch.ones(2, 3, dtype=torch.long)}, NotImplementedError, "batch"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long), "streamer": object()}, ValueError, "batch size 1"),
+        ({"attention_mask": torch.tensor([[1, 1, 2]])}, ValueError, "only 0 and 1"),
     ],
 )
 def test_bad_input_is_rejected(kwargs, error, match):
@@ -257,10 +259,10 @@ def _spy_draft_calls(monkeypatch):
     calls = []
     real = generation_utils._draft_logits
 
-    def spy(draft, embed, head, anchor, context, draft_cache, start, b, mask_token_id):
+    def spy(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
         cached = draft_cache.get_seq_length()
-        logits = real(draft, embed, head, anchor, context, draft_cache, start, b, mask_token_id)
-        calls.append((start, cached, context.clone(), logits.clone()))
+        logits = real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
+        calls.append((int(start[0]), cached, ctx.features.clone(), logits.clone()))
         return logits
 
     monkeypatch.setattr(generation_utils, "_draft_logits", spy)
@@ -323,3 +325,105 @@ def test_feature_at_the_anchor_is_invisible_the_one_before_is_seen(monkeypatch, 
     for start in base:  # drafts anchored at or before the perturbed position never see it
         if start <= anchor + offset:
             torch.testing.assert_close(base[start], perturbed[start], rtol=0, atol=0)
+
+
+def _left_pad(prompts, pad=0):
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
+    return ids, mask
+
+
+@pytest.fixture
+def batch_oracle(monkeypatch):
+    """Row-aware oracle: row r is right for (step + 2 r) % b slots, so rows accept different counts."""
+
+    def install(refs):
+        real = generation_utils._draft_logits
+        steps = []
+
+        def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
+            real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
+            logits = []
+            for s, a in zip(start.tolist(), anchor[:, 0].tolist()):
+                rows = [r for r, ref in enumerate(refs) if ref.shape[1] > s and ref[0, s] == a]
+                assert len(rows) >= 1
+                r = rows[0]
+                want = torch.cat([refs[r][0, s + 1 : s + b], torch.zeros(b, dtype=torch.long)])[: b - 1].clone()
+                right = (len(steps) + 2 * r) % b
+                want[right:] = (want[right:] + 1) % VOCAB
+                logits.append(torch.nn.functional.one_hot(want, VOCAB).float() * 30)
+            steps.append(start.tolist())
+            return torch.stack(logits)
+
+        monkeypatch.setattr(generation_utils, "_draft_logits", fake)
+        return steps
+
+    return install
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_ragged_batch_rows_equal_their_batch_1_runs(kind, batch_oracle):
+    target, draft = TARGETS[kind], tiny_draft(block_size=8)
+    lens = (3, 15, 50)
+    refs = [reference(kind, n, 40) for n in lens]
+    steps = batch_oracle(refs)
+    ids, mask = _left_pad([PROMPTS[n] for n in lens])
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=40, temperature=0.0,
+                              return_dict_in_generate=True)
+    assert len(steps) > 3 and out.num_new_tokens == [40, 40, 40]
+    rows = out.row_acceptance_lengths
+    assert rows[0] != rows[1] and rows[1] != rows[2]  # rows really accepted different counts
+    for r, n in enumerate(lens):
+        assert torch.equal(out.sequences[r, ids.shape[1]:], refs[r][0, n:]), r
+        alone = draft.spec_generate(target, PROMPTS[n], max_new_tokens=40, temperature=0.0)
+        assert torch.equal(alone[0, n:], refs[r][0, n:])
+    assert out.acceptance_lengths == rows[0] + rows[1] + rows[2]
+
+
+def test_ragged_batch_random_draft_and_early_stop():
+    """One row stops early on its stop token (then is padded), the others run to max_new_tokens."""
+    target, draft = TARGETS["qwen3"], tiny_draft()
+    lens = (15, 3, 50)
+    refs = [reference("qwen3", n, 30) for n in lens]
+    stop = int(refs[1][0, 3 + 4])
+    ids, mask = _left_pad([PROMPTS[n] for n in lens], pad=7)
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=30, temperature=0.0,
+                              stop_token_ids=[stop], return_dict_in_generate=True)
+    width = ids.shape[1]
+    for r, n in enumerate(lens):
+        ref = refs[r][0, n:].tolist()
+        if stop in ref:
+            ref = ref[: ref.index(stop) + 1]
+        assert out.num_new_tokens[r] == len(ref)
+        assert out.sequences[r, width : width + len(ref)].tolist() == ref
+        assert (out.sequences[r, width + len(ref) :] == stop).all()  # padded with the (only) stop id
+    assert out.num_new_tokens[1] <= 5
+    assert max(out.num_new_tokens) == 30 == out.sequences.shape[1] - width
+
+
+def test_batch_drops_finished_rows_from_forward_passes():
+    target, draft = TARGETS["qwen3"], tiny_draft()
+    sizes = []
+    handle = target.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].shape[0]),
+                                              with_kwargs=True)
+    ids, mask = _left_pad([PROMPTS[3], PROMPTS[15]])
+    stop = int(reference("qwen3", 3, 5)[0, 3 + 1])
+    try:
+        draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12, stop_token_ids=[stop],
+                            temperature=0.0)
+    finally:
+        handle.remove()
+    assert sizes[0] == 2 and sizes[-1] == 1
+
+
+def test_batch_with_sliding_window_target_is_refused():
+    target = tiny_target(use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                         layer_types=["full_attention", "sliding_attention", "sliding_attention"])
+    ids, mask = _left_pad([PROMPTS[3], PROMPTS[15]])
+    with pytest.raises(NotImplementedError, match="sliding-window target"):
+        tiny_draft().spec_generate(target, ids, attention_mask=mask, max_new_tokens=4, temperature=0.0)
+    alone = tiny_draft().spec_generate(target, PROMPTS[15], max_new_tokens=20, temperature=0.0)
+    assert torch.equal(alone, generate(target, PROMPTS[15], max_new_tokens=20))
