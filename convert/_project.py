@@ -1,0 +1,18 @@
+"""The project's own classes, imported from the repository root (or the installed ``dflash_hf``).
+
+``REMOTE_CODE_FILES`` are exactly the files that ``save_pretrained`` copies next to a converted
+checkpoint (the modeling file and its relative imports) and that ``auto_map`` points into.
+"""
+
+try:  # run from the repository root: `python -m convert.convert_checkpoint ...`
+    from configuration_dflash import DFlashConfig
+    from generation_utils import capture_target_features, spec_generate
+    from modeling_dflash import DFlashDraftModel
+except ImportError:  # installed with `pip install .` (the flat Hub files live in the `dflash_hf` package)
+    from dflash_hf.configuration_dflash import DFlashConfig
+    from dflash_hf.generation_utils import capture_target_features, spec_generate
+    from dflash_hf.modeling_dflash import DFlashDraftModel
+
+REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_utils.py")
+
+__all__ = ["DFlashConfig", "DFlashDraftModel", "REMOTE_CODE_FILES", "capture_target_features", "spec_generate"]

@@ -1,0 +1,99 @@
+"""The single explicit key map from every supported weight dialect to this project's state dict.
+
+Our state-dict names equal the published z-lab / SpecForge checkpoints (notes section 2): ``fc.weight``,
+``hidden_norm.weight``, ``norm.weight`` and ``layers.{i}.*``, with no ``model.`` prefix, no
+``embed_tokens`` and no ``lm_head``. So the map is short, and it is the only place where a source
+key may be renamed or dropped; every other key must already be one of the model's own names.
+"""
+
+import re
+
+from .errors import ConversionError
+
+# (pattern, replacement) pairs, tried in order; the first pattern that matches renames the key.
+KEY_RENAMES = (
+    # Exports that saved the draft inside a wrapper with `base_model_prefix = "model"`.
+    (re.compile(r"^model\.((?:fc|hidden_norm|norm)\.weight|layers\.\d+\..+)$"), r"\1"),
+)
+
+# Keys that are dropped on purpose, with the reason printed in the conversion plan.
+DROPPED_KEYS = (
+    # Rotary frequencies are recomputed from the config (never stored by the published drafts).
+    (re.compile(r"^(?:model\.)?(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$"), "rotary buffer, recomputed from config"),
+    # Frozen copies of the target's embedding / LM head saved by some training exports: DFlash borrows
+    # the target's own (notes section 1), so these are not part of the draft.
+    (re.compile(r"^(?:model\.)?embed_tokens\.weight$"), "copy of the target's input embedding"),
+    (re.compile(r"^lm_head\.weight$"), "copy of the target's LM head"),
+)
+
+
+def drop_reason(key: str):
+    """Why ``key`` is dropped, or None when it is kept."""
+    for pattern, reason in DROPPED_KEYS:
+        if pattern.match(key):
+            return reason
+    return None
+
+
+def rename_key(key: str) -> str:
+    """The project name of source key ``key`` (unchanged when no rename rule matches)."""
+    for pattern, replacement in KEY_RENAMES:
+        if pattern.match(key):
+            return pattern.sub(replacement, key)
+    return key
+
+
+def map_keys(source_keys) -> tuple[dict, dict]:
+    """Map source keys to project keys.
+
+    Returns:
+        ``(mapping, dropped)``: ``mapping`` is ``{source_key: project_key}`` for every kept key;
+        ``dropped`` is ``{source_key: reason}``.
+
+    Raises:
+        ConversionError: two source keys map to the same project key (both are named).
+    """
+    mapping, dropped, seen = {}, {}, {}
+    for key in sorted(source_keys):
+        reason = drop_reason(key)
+        if reason is not None:
+            dropped[key] = reason
+            continue
+        new = rename_key(key)
+        if new in seen:
+            raise ConversionError(f"source keys {seen[new]!r} and {key!r} both map to {new!r}")
+        seen[new] = key
+        mapping[key] = new
+    return mapping, dropped
+
+
+def check_keys(mapping: dict, source_shapes: dict, expected_shapes: dict) -> None:
+    """Check that the mapped source keys are exactly the model's keys, with the model's shapes.
+
+    Args:
+        mapping: ``{source_key: project_key}`` from [`map_keys`].
+        source_shapes: ``{source_key: shape tuple}``.
+        expected_shapes: ``{project_key: shape tuple}`` of a ``DFlashDraftModel`` built from the config.
+
+    Raises:
+        ConversionError: naming every unmapped source key (a key the model does not have), every
+            missing model key, and every shape mismatch.
+    """
+    mapped = {new: old for old, new in mapping.items()}
+    problems = []
+    unknown = sorted(k for k in mapped if k not in expected_shapes)
+    if unknown:
+        names = ", ".join(repr(mapped[k]) + ("" if mapped[k] == k else f" (as {k!r})") for k in unknown)
+        problems.append(f"unmapped source key(s) that the DFlash draft does not have: {names}")
+    missing = sorted(k for k in expected_shapes if k not in mapped)
+    if missing:
+        problems.append(f"missing key(s) that the DFlash draft needs: {', '.join(map(repr, missing))}")
+    for key in sorted(set(mapped) & set(expected_shapes)):
+        got, want = tuple(source_shapes[mapped[key]]), tuple(expected_shapes[key])
+        if got != want:
+            problems.append(f"shape of {mapped[key]!r} is {list(got)} but the config implies {list(want)} for {key!r}")
+    if problems:
+        raise ConversionError("the source weights do not fit the DFlash draft built from its config:\n  " + "\n  ".join(problems))
+
+
+__all__ = ["DROPPED_KEYS", "KEY_RENAMES", "check_keys", "drop_reason", "map_keys", "rename_key"]
