@@ -427,3 +427,26 @@ def test_batch_with_sliding_window_target_is_refused():
         tiny_draft().spec_generate(target, ids, attention_mask=mask, max_new_tokens=4, temperature=0.0)
     alone = tiny_draft().spec_generate(target, PROMPTS[15], max_new_tokens=20, temperature=0.0)
     assert torch.equal(alone, generate(target, PROMPTS[15], max_new_tokens=20))
+
+
+def test_text_iterator_streamer_receives_exactly_the_new_tokens():
+    import threading
+
+    from transformers import TextIteratorStreamer
+
+    from tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    target, draft = TARGETS["qwen3"], tiny_draft(block_size=8)
+    full = reference("qwen3", 15, 30)
+    stop = int(full[0, 15 + 12])
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=draft.spec_generate(
+        target, PROMPTS[15], max_new_tokens=30, temperature=0.0, stop_token_ids=[stop], streamer=streamer)))
+    thread.start()
+    text = "".join(streamer)
+    thread.join()
+    out = result["out"]
+    assert out[0, -1] == stop and out.shape[1] <= 15 + 13
+    assert text.split() == tokenizer.decode(out[0, 15:]).split()

@@ -42,3 +42,25 @@ def tiny_draft_config(**overrides) -> DFlashConfig:
 def tiny_draft(seed: int = 1, **overrides) -> DFlashDraftModel:
     torch.manual_seed(seed)
     return DFlashDraftModel(tiny_draft_config(**overrides)).eval()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over exactly VOCAB ids, with a chat template and a pad token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
+    words = special + [f"w{i}" for i in range(VOCAB - len(special) - 1)] + ["<|mask|>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   unk_token="[UNK]", mask_token="<|mask|>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
