@@ -13,7 +13,10 @@ it with a plain ``Qwen3Config`` (vLLM, SGLang) keep working, and adds ``auto_map
 import copy
 import logging
 
-from transformers import PretrainedConfig
+try:
+    from transformers import PreTrainedConfig
+except ImportError:  # transformers < 5 only has the old spelling
+    from transformers import PretrainedConfig as PreTrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ def normalize_rope(rope_theta=None, rope_scaling=None, rope_parameters=None) -> 
     return params
 
 
-class DFlashConfig(PretrainedConfig):
+class DFlashConfig(PreTrainedConfig):
     r"""Configuration of [`DFlashDraftModel`].
 
     DFlash fields:

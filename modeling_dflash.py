@@ -174,6 +174,11 @@ def block_attention_mask(q_pos, k_pos, causal: bool, window: Optional[int], key_
     return mask[:, None]
 
 
+def flash_usable(t: torch.Tensor) -> bool:
+    """flash-attn runs only on CUDA in fp16/bf16; elsewhere the sdpa path with explicit masks is used."""
+    return flash_attn_func is not None and t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+
+
 def eager_attention(q, k, v, mask, scaling):
     """Reference attention; softmax in fp32. ``mask`` is bool (True = attend), float additive, or None."""
     scores = torch.matmul(q, k.transpose(2, 3)) * scaling
@@ -222,7 +227,7 @@ class DFlashAttention(nn.Module):
 
     def _attend(self, q, k, v, mask):
         impl = self.config._attn_implementation
-        if impl == "flash_attention_2" and flash_attn_func is not None and mask is None and q.is_cuda:
+        if impl == "flash_attention_2" and mask is None and flash_usable(q):
             left = self.sliding_window - 1 if self.sliding_window else -1
             out = flash_attn_func(  # keys are contiguous positions; queries are the last q_len keys
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=self.scaling,
@@ -385,8 +390,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 cache[(causal, window)] = block_attention_mask(q_pos, k_pos, causal, window, key_valid)
             masks.append(cache[(causal, window)])
         # flash-attn takes `causal`/`window_size` itself and needs no mask when keys are contiguous
-        flash_ok = flash_attn_func is not None and position_ids.is_cuda
-        if cfg._attn_implementation == "flash_attention_2" and flash_ok and key_valid is None:
+        if cfg._attn_implementation == "flash_attention_2" and key_valid is None and flash_usable(self.fc.weight):
             masks = [None] * len(masks)
         return masks
 
