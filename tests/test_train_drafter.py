@@ -266,6 +266,20 @@ def test_load_examples_from_records_and_files(tmp_path):
         td.load_examples([{"question": "x"}], tok)
 
 
+def test_prompt_lookup_baseline_hand_checked():
+    from train.bench_pair import prompt_lookup_propose, prompt_lookup_tau, repeated_ngram_share
+
+    assert prompt_lookup_propose([1, 2, 3, 1, 2], 2) == [3, 1]  # suffix (1, 2) last seen at 0
+    assert prompt_lookup_propose([5, 6, 7], 3) == []
+    assert prompt_lookup_propose([1, 9, 1, 8, 1], 1) == [8]  # the LAST earlier occurrence wins
+    # prompt [1,2,3], greedy continuation [1,2,3,1,2,3]: the prefill commits 1; step 1 drafts [2,3,1] from
+    # the match of (1,) at 0 and all are accepted (+1 target token); step 2 has budget for 1 token only.
+    assert prompt_lookup_tau([1, 2, 3], [1, 2, 3, 1, 2, 3], 4, 6) == [4, 1]
+    assert prompt_lookup_tau([1, 2, 3], [4, 5, 6], 4, 3) == [1, 1]
+    assert abs(repeated_ngram_share([1, 2, 3, 4, 1, 2, 3, 4]) - 0.2) < 1e-9  # 5 four-grams, (1,2,3,4) twice
+    assert repeated_ngram_share([1, 2, 3]) == 0.0
+
+
 # ----------------------------------------------------------------------------- the embedded pair and the demo
 
 needs_pair = pytest.mark.skipif(not (PAIR / "drafter" / "config.json").exists()

@@ -799,6 +799,7 @@ def parse_args(argv=None):
     a("--summary", default="pair/drafter_train_summary.json")
     a("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     a("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
+    a("--reuse-data", action="store_true", help="train on the sequences cached in --ckpt-dir by an earlier run")
     a("--no-progress", action="store_true")
     return ap.parse_args(argv)
 
@@ -836,7 +837,7 @@ def main(argv=None) -> dict:
     # data (cached in ckpt_dir so a resumed run trains on the very same sequences)
     data_path, eval_path = ckpt_dir / "examples.pt", ckpt_dir / "eval_examples.pt"
     t_data = time.time()
-    if resume is not None and data_path.exists():
+    if (resume is not None or args.reuse_data) and data_path.exists():
         examples, eval_examples = read_examples(data_path), read_examples(eval_path)
     else:
         prompts = training_prompts(args.num_prompts + args.num_eval_prompts, seed=args.seed)
