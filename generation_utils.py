@@ -477,6 +477,13 @@ class _Context:
     positions: torch.Tensor
     valid: torch.Tensor
 
+    def cat(self, other: "_Context") -> "_Context":
+        return _Context(*(torch.cat(pair, dim=1) for pair in zip(
+            (self.features, self.positions, self.valid), (other.features, other.positions, other.valid))))
+
+    def select(self, keep) -> "_Context":
+        return _Context(self.features[keep], self.positions[keep], self.valid[keep])
+
 
 @dataclass
 class _Rows:
@@ -488,13 +495,43 @@ class _Rows:
     n_new: torch.Tensor  # (A,) new tokens committed so far
     target_valid: torch.Tensor  # (A, target cache length) 1 = slot holds a committed token of this row
     draft_valid: Optional[torch.Tensor]  # (A, draft cache length), None while every slot is valid
-    ctx: _Context
+    ctx: Optional[_Context]  # features not yet in the draft cache; None right after a draft pass
 
     def select(self, keep):
         for name in ("ids", "anchor", "start", "n_new", "target_valid"):
             setattr(self, name, getattr(self, name)[keep])
         self.draft_valid = None if self.draft_valid is None else self.draft_valid[keep]
-        self.ctx = _Context(self.ctx.features[keep], self.ctx.positions[keep], self.ctx.valid[keep])
+        self.ctx = None if self.ctx is None else self.ctx.select(keep)
+
+    def context_drafted(self, draft_len: int):
+        """The pending context went into the draft cache (now ``draft_len`` slots long)."""
+        if self.draft_valid is not None or not bool(self.ctx.valid.all()):
+            cached = self.draft_valid
+            if cached is None:
+                cached = self.ctx.valid.new_ones(len(self.ids), draft_len - self.ctx.valid.shape[1])
+            self.draft_valid = torch.cat([cached, self.ctx.valid], dim=1)
+        self.ctx = None
+
+    def add_context(self, ctx: _Context):
+        self.ctx = ctx if self.ctx is None else self.ctx.cat(ctx)
+
+
+def _commit(rows, committed, new, max_new_tokens, stop_ids, chunks, out, streamer):
+    """Append each row's accepted tokens, cut at its first stop token and at ``max_new_tokens``
+    (by length, never by value). Returns ``(A,)`` bool: the row is done."""
+    done = torch.zeros(len(rows.ids), dtype=torch.bool, device=rows.ids.device)
+    budget = (max_new_tokens - rows.n_new).tolist()
+    for i, (r, a, row_new) in enumerate(zip(rows.ids.tolist(), committed.tolist(), new.tolist())):
+        take = row_new[: min(a, budget[i])]
+        hit = next((j for j, t in enumerate(take) if t in stop_ids), None)
+        if hit is not None:
+            take = take[: hit + 1]
+        chunks[r].append(take)
+        out.row_acceptance_lengths[r].append(a)
+        done[i] = hit is not None or len(take) >= budget[i]
+        if streamer is not None:
+            streamer.put(torch.tensor(take))
+    return done
 
 
 def _forward_target(target, cache_kw, cache, tokens, positions, valid):
@@ -544,49 +581,29 @@ def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, m
             rows.select(keep)
         b = min(block_size, int((max_new_tokens - rows.n_new).max()), int((max_positions - rows.start).min()))
         block, q = rows.anchor, None
-        drafted = b > 1
-        if drafted:
+        if b > 1:
             logits = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
                                    rows.start, b, mask_token_id)
             drafts, q = sampling.propose(logits)
             block = torch.cat([rows.anchor, drafts.to(device)], dim=1)  # (A, b)
+            rows.context_drafted(draft_cache.get_seq_length())
             out.num_draft_forwards += 1
-            if rows.draft_valid is not None or not bool(rows.ctx.valid.all()):
-                cached = rows.draft_valid
-                if cached is None:
-                    cached = rows.ctx.valid.new_ones(len(rows.ids), draft_cache.get_seq_length() - rows.ctx.valid.shape[1])
-                rows.draft_valid = torch.cat([cached, rows.ctx.valid], dim=1)
         positions = rows.start[:, None] + torch.arange(b, device=device)
         logits = _forward_target(target, cache_kw, target_cache, block, positions, rows.target_valid)
         out.num_target_forwards += 1
         accepted, next_token = sampling.verify(block[:, 1:], q, logits)
         committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor
         new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
-
-        # Commit per row: cut at the first stop token and at max_new_tokens (by length, never by value).
-        finished = rows.start + committed >= max_positions
-        budget = (max_new_tokens - rows.n_new).tolist()
-        for i, (r, a, row_new) in enumerate(zip(rows.ids.tolist(), committed.tolist(), new.tolist())):
-            take = row_new[: min(a, budget[i])]
-            hit = next((j for j, t in enumerate(take) if t in stop_ids), None)
-            if hit is not None:
-                take = take[: hit + 1]
-            chunks[r].append(take)
-            out.row_acceptance_lengths[r].append(a)
-            if hit is not None or len(take) >= budget[i]:
-                finished[i] = True
-            if streamer is not None:
-                streamer.put(torch.tensor(take))
+        finished = _commit(rows, committed, new, max_new_tokens, stop_ids, chunks, out, streamer)
+        finished |= rows.start + committed >= max_positions
 
         # Roll back: keep the committed slots; rejected ones become holes (masked) for shorter rows.
-        kept = target_cache.get_seq_length() - b + int(committed.max())
-        slot = torch.arange(b, device=device)[None]
-        rows.target_valid = torch.cat([rows.target_valid, (slot < committed[:, None]).long()], dim=1)[:, :kept]
-        crop_cache(target_cache, kept)
         width = int(committed.max())
-        new_ctx = _Context(features()[:, :width], positions[:, :width], (slot < committed[:, None]).long()[:, :width])
-        rows.ctx = new_ctx if drafted else _Context(*(torch.cat([a, c], 1) for a, c in zip(
-            (rows.ctx.features, rows.ctx.positions, rows.ctx.valid), (new_ctx.features, new_ctx.positions, new_ctx.valid))))
+        owned = (torch.arange(width, device=device)[None] < committed[:, None]).long()  # (A, width)
+        kept = target_cache.get_seq_length() - b + width
+        crop_cache(target_cache, kept)
+        rows.target_valid = torch.cat([rows.target_valid, owned], dim=1)
+        rows.add_context(_Context(features()[:, :width], positions[:, :width], owned))
         rows.start, rows.n_new, rows.anchor = rows.start + committed, rows.n_new + committed, next_token[:, None]
 
     _assemble(out, input_ids, chunks, pad)
