@@ -663,6 +663,10 @@ def train_drafter(draft, target, examples: list[Example], features: list[torch.T
         opt.load_state_dict(ck["optimizer"])
         state = ck["state"]
         torch.set_rng_state(ck["torch_rng"])
+        if log_path and Path(log_path).exists():  # drop lines logged after the checkpoint by the interrupted run
+            kept = [line for line in Path(log_path).read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= state["step"]]
+            Path(log_path).write_text("".join(line + "\n" for line in kept))
     log = open(log_path, "a") if log_path else None
 
     def log_line(rec):
@@ -794,7 +798,7 @@ def parse_args(argv=None):
     a("--ckpt-dir", default=".cache/drafter_ckpt")
     a("--ckpt-every", type=int, default=100)
     a("--eval-every", type=int, default=100)
-    a("--eval-tau-prompts", type=int, default=8, help="eval prompts used for tau during training")
+    a("--eval-tau-prompts", type=int, default=4, help="eval prompts used for tau during training")
     a("--log", default="pair/drafter_train_log.jsonl")
     a("--summary", default="pair/drafter_train_summary.json")
     a("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -861,8 +865,7 @@ def main(argv=None) -> dict:
     features = precompute_features(target, examples, layer_ids, progress=not args.no_progress)
     eval_features = precompute_features(target, eval_examples, layer_ids, progress=not args.no_progress)
     feat_s = time.time() - t_feat
-    eval_prompts = [tok(p, return_tensors="pt", add_special_tokens=False)["input_ids"]
-                    for p in [tok.decode(e.input_ids[: e.prompt_len]) for e in eval_examples[: args.eval_tau_prompts]]]
+    eval_prompts = [e.input_ids[None, : e.prompt_len].to(device) for e in eval_examples[: args.eval_tau_prompts]]
 
     # draft
     if resume is not None:
