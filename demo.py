@@ -35,6 +35,8 @@ def parse_args(argv=None):
     ap.add_argument("--target", default=str(ROOT / "pair" / "target"))
     ap.add_argument("--draft", default=str(ROOT / "pair" / "drafter"))
     ap.add_argument("--prompts", default=str(ROOT / "pair" / "heldout_prompts.json"))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads (default 1: these small models run fastest on one thread; 0 = torch default)")
     ap.add_argument("--quiet", action="store_true", help="do not print the generated code")
     args = ap.parse_args(argv)
     if args.quick:
@@ -71,6 +73,8 @@ def per_position_acceptance(acceptance_lengths: list[int], block_size: int) -> l
 def run(args) -> int:
     """The demo; returns the exit status (0 = every output equals the target's)."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t_load = time.perf_counter()
     draft, target, tok = load_pair(args.target, args.draft, device)
     block = args.block_size or draft.config.block_size

@@ -97,7 +97,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", default="4,8,16")
     ap.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup n-gram length (tries n..1)")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (0 = torch default)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=str(ROOT / "pair" / "bench_pair.json"))
     args = ap.parse_args(argv)
