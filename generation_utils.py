@@ -2,9 +2,11 @@
 
 One step (notes section 1): the draft fills the block ``[anchor, MASK x (b-1)]`` in one pass,
 conditioned on the captured target features of every committed position before the anchor; the
-target verifies the block in one pass; the longest prefix of drafts equal to the target's own
-choice is kept, plus the target's token at the first mismatch (the bonus token). Both KV caches
-are then cut back to the committed length.
+target verifies the block in one pass. Greedy: the longest prefix of drafts equal to the target's
+argmax is kept, plus the target's token at the first mismatch (the bonus token). Sampling: drafts
+pass or fail the speculative-sampling test and the first failure is replaced by a residual sample
+(``speculative_verify``). Both KV caches are then cut back to the committed length; in a batch,
+every row commits its own count.
 """
 
 import contextlib
