@@ -12,12 +12,13 @@ every row commits its own count.
 import contextlib
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.utils import ModelOutput
 
 # generation_config options that change which token is chosen and that spec_generate does not apply.
 _UNSUPPORTED = {
@@ -31,7 +32,7 @@ _UNSUPPORTED = {
 
 
 @dataclass
-class DFlashGenerateOutput:
+class DFlashGenerateOutput(ModelOutput):
     """What ``spec_generate(..., return_dict_in_generate=True)`` returns.
 
     sequences: ``(B, prompt_len + new_len)`` LongTensor, prompt first, right padded.
@@ -46,11 +47,11 @@ class DFlashGenerateOutput:
     """
 
     sequences: torch.LongTensor = None
-    acceptance_lengths: list = field(default_factory=list)
-    row_acceptance_lengths: list = field(default_factory=list)
-    num_new_tokens: list = field(default_factory=list)
-    num_draft_forwards: int = 0
-    num_target_forwards: int = 0
+    acceptance_lengths: Optional[list] = None
+    row_acceptance_lengths: Optional[list] = None
+    num_new_tokens: Optional[list] = None
+    num_draft_forwards: Optional[int] = None
+    num_target_forwards: Optional[int] = None
     timings: Optional[dict] = None
 
 
@@ -291,18 +292,31 @@ def check_pairing(draft, target):
         )
 
 
+def _check_is_causal_lm(target):
+    """The target needs an input embedding, an output head and a generation_config."""
+    try:
+        ok = target.get_input_embeddings() is not None and target.get_output_embeddings() is not None
+    except (AttributeError, NotImplementedError):
+        ok = False
+    if not ok or getattr(target, "generation_config", None) is None:
+        raise ValueError(f"target must be a causal LM (an AutoModelForCausalLM), got {type(target).__name__}")
+
+
 def _has_sliding_layers(target) -> bool:
     cfg = target.config.get_text_config()
     return "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or bool(
         getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None))
 
 
-def _prepare_inputs(input_ids, attention_mask):
+def _prepare_inputs(input_ids, attention_mask, vocab_size):
     """Validate ``input_ids`` ``(B, L)`` and the left-padding ``attention_mask``; returns the mask."""
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError(f"input_ids must be a (batch, prompt_len) LongTensor, got {getattr(input_ids, 'shape', input_ids)}")
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: spec_generate needs at least one input token")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"input_ids hold ids in [{low}, {high}], outside the target vocabulary [0, {vocab_size})")
     if attention_mask is None:
         return torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
@@ -394,20 +408,24 @@ def spec_generate(
         NotImplementedError: recurrent-state targets, sliding-window targets with batch > 1,
             unsupported ``generation_config`` options.
     """
+    _check_is_causal_lm(target)
     generation_config = generation_config if generation_config is not None else target.generation_config
     _check_generation_config(generation_config)
-    prompt_mask = _prepare_inputs(input_ids, attention_mask)
+    prompt_mask = _prepare_inputs(input_ids, attention_mask, target.get_input_embeddings().weight.shape[0])
     if max_new_tokens is None:
         max_new_tokens = generation_config.max_new_tokens
         if max_new_tokens is None:
             max_new_tokens = max(_gen(generation_config, "max_length") - input_ids.shape[1], 0)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     trained = draft.config.block_size
     block_size = trained if block_size is None else block_size
     if not 1 <= block_size <= trained:
         raise ValueError(f"block_size must be in [1, {trained}] (the trained block size), got {block_size}")
     mask_token_id = draft.config.mask_token_id if mask_token_id is None else mask_token_id
+    vocab = target.get_input_embeddings().weight.shape[0]
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab:
+        raise ValueError(f"mask_token_id={mask_token_id!r} must be an integer in [0, {vocab}) (the target vocabulary)")
     sampling = _resolve_sampling(generation_config, temperature, do_sample, top_k, top_p, min_p, generator,
                                  sample_draft)
     stop_ids = _resolve_stop_ids(stop_token_ids, generation_config)
@@ -429,8 +447,8 @@ def spec_generate(
     input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
-    out = DFlashGenerateOutput(sequences=input_ids, row_acceptance_lengths=[[] for _ in input_ids],
-                               num_new_tokens=[0] * input_ids.shape[0])
+    out = DFlashGenerateOutput(sequences=input_ids, acceptance_lengths=[], row_acceptance_lengths=[[] for _ in input_ids],
+                               num_new_tokens=[0] * input_ids.shape[0], num_draft_forwards=0, num_target_forwards=0)
     if max_new_tokens > 0:
         with capture_target_features(target, draft.config.target_layer_ids) as features:
             _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, mask_token_id,
@@ -550,7 +568,6 @@ def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, m
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     cache_kw = _cache_kwarg(target)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
-    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 62
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
     chunks = [[] for _ in range(bsz)]
     t0 = _sync(device) if output_timings else None
@@ -571,7 +588,7 @@ def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, m
     if streamer is not None:
         streamer.put(first.cpu())
     t1 = _sync(device) if output_timings else None
-    finished = torch.isin(first, stop) | (rows.n_new >= max_new_tokens) | (rows.start >= max_positions)
+    finished = torch.isin(first, stop) | (rows.n_new >= max_new_tokens)
 
     while True:
         if bool(finished.any()):  # drop finished rows from every forward pass
@@ -581,7 +598,7 @@ def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, m
             for cache in (target_cache, draft_cache):
                 cache.batch_select_indices(keep)
             rows.select(keep)
-        b = min(block_size, int((max_new_tokens - rows.n_new).max()), int((max_positions - rows.start).min()))
+        b = min(block_size, int((max_new_tokens - rows.n_new).max()))
         block, q = rows.anchor, None
         if b > 1:
             logits = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
@@ -597,7 +614,6 @@ def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, m
         committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor
         new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
         finished = _commit(rows, committed, new, max_new_tokens, stop_ids, chunks, out, streamer)
-        finished |= rows.start + committed >= max_positions
 
         # Roll back: keep the committed slots; rejected ones become holes (masked) for shorter rows.
         width = int(committed.max())

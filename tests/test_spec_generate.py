@@ -132,13 +132,12 @@ def test_two_calls_on_the_same_objects_are_independent():
     assert torch.equal(a, c) and torch.equal(b, reference("llama", 3, 17))
 
 
-def test_prompt_near_max_position_embeddings_ends_cleanly():
+def test_prompt_near_max_position_embeddings_runs_on_like_generate():
+    """generate() goes past max_position_embeddings (RoPE needs no table): so does spec_generate."""
     target, draft = tiny_target(max_position_embeddings=56), tiny_draft()
     ids = PROMPTS[50]
     out = draft.spec_generate(target, ids, max_new_tokens=30, temperature=0.0)
-    assert out.shape[1] == 57  # last verify covers position 55; its bonus token is the 57th
-    ref = generate(target, ids, max_new_tokens=7)
-    assert torch.equal(out, ref)
+    assert torch.equal(out, generate(target, ids, max_new_tokens=30))
 
 
 def test_mixed_dtypes_run_and_fp32_target_stays_exact():
@@ -191,6 +190,9 @@ def test_left_padding_with_attention_mask_is_stripped():
         ({"block_size": 5}, ValueError, r"block_size must be in \[1, 4\]"),
         ({"block_size": 0}, ValueError, "block_size"),
         ({"max_new_tokens": -1}, ValueError, "max_new_tokens"),
+        ({"max_new_tokens": 2.5}, ValueError, "max_new_tokens must be an integer"),
+        ({"mask_token_id": 500}, ValueError, "mask_token_id=500"),
+        ({"input_ids": PROMPTS[3] + 200}, ValueError, "outside the target vocabulary"),
         ({"temperature": -0.5}, ValueError, "temperature"),
         ({"top_p": 1.5, "temperature": 1.0}, ValueError, "top_p"),
         ({"top_k": -1, "temperature": 1.0}, ValueError, "top_k"),
@@ -227,6 +229,18 @@ def test_draft_target_mismatch_is_caught_before_work(draft_kwargs, target_kwargs
     with pytest.raises(ValueError, match=match):
         draft.spec_generate(target, PROMPTS[3], max_new_tokens=3, temperature=0.0)
     assert calls == []
+
+
+def test_a_target_that_is_not_a_causal_lm_is_named():
+    draft = tiny_draft()
+    with pytest.raises(ValueError, match="target must be a causal LM"):
+        draft.spec_generate(draft, PROMPTS[3], max_new_tokens=3)
+
+
+def test_output_is_a_model_output():
+    out = tiny_draft().spec_generate(TARGETS["qwen3"], PROMPTS[3], max_new_tokens=5, temperature=0.0,
+                                     return_dict_in_generate=True)
+    assert torch.equal(out["sequences"], out.sequences) and "acceptance_lengths" in out.keys()
 
 
 def test_unsupported_generation_config_option_is_named():
