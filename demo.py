@@ -51,6 +51,14 @@ def sync(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def display_path(path: str) -> str:
+    """``path`` relative to the repository when it lies inside it (``pair/target``), else as given."""
+    try:
+        return Path(path).resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def load_pair(target_path: str, draft_path: str, device: torch.device):
     """(draft, target, tokenizer), fp32, eval mode, on ``device``."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -80,7 +88,7 @@ def run(args) -> int:
     block = args.block_size or draft.config.block_size
     prompts = json.loads(Path(args.prompts).read_text())[: args.num_prompts]
     n_params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    print(f"target {args.target}: {n_params(target) / 1e6:.2f} M params | drafter {args.draft}: "
+    print(f"target {display_path(args.target)}: {n_params(target) / 1e6:.2f} M params | drafter {display_path(args.draft)}: "
           f"{n_params(draft) / 1e6:.2f} M params, {draft.config.num_hidden_layers} layers, block {block}, "
           f"target layers {draft.config.target_layer_ids} | {device}, float32, {torch.get_num_threads()} threads | "
           f"loaded in {time.perf_counter() - t_load:.1f}s")
@@ -117,7 +125,8 @@ def run(args) -> int:
         tau_p = sum(out.acceptance_lengths) / max(len(out.acceptance_lengths), 1)
         if not args.quiet:
             print(f"\n----- {p['path']} :: {p['name']}  (tau {tau_p:.2f}, {'identical' if same else 'DIFFERENT'})")
-            print(p["prompt"] + "\033[1m" + tok.decode(out.sequences[0, ids.shape[1]:]) + "\033[0m")
+            bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")  # generated text in bold
+            print(p["prompt"] + bold + tok.decode(out.sequences[0, ids.shape[1]:]) + plain)
 
     tau = sum(steps) / max(len(steps), 1)
     tps_ref, tps_spec = n_ref / t_ref, n_spec / t_spec
@@ -131,7 +140,7 @@ def run(args) -> int:
     print(f"target alone: {tps_ref:.1f} tok/s | DFlash: {tps_spec:.1f} tok/s | speedup {speedup:.2f}x")
     if args.json:
         record = {
-            "schema": "dflash-acceptance/v1", "target": str(args.target), "draft": str(args.draft),
+            "schema": "dflash-acceptance/v1", "target": display_path(args.target), "draft": display_path(args.draft),
             "block_size": int(block), "dtype": "float32", "device": str(device),
             "datasets": [{"name": "stdlib-heldout-docstrings", "num_prompts": len(prompts),
                           "max_new_tokens": int(args.max_new_tokens), "temperature": 0.0, "tau": round(tau, 4),

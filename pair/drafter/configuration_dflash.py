@@ -1,0 +1,278 @@
+"""Configuration of a DFlash draft model (block-diffusion drafter for speculative decoding).
+
+A DFlash draft is a small Qwen3-style decoder (no embedding, no LM head) that drafts a block of
+``block_size`` tokens in one forward pass, conditioned on hidden states captured from a few target
+layers (``target_layer_ids``). See arXiv 2602.06036 and ``shared/docs/dflash-notes.md`` sections 1-2.
+
+The saved ``config.json`` keeps the published z-lab / SpecForge dialect (``model_type: "qwen3"``,
+``dflash_config.{target_layer_ids, mask_token_id}``, top-level ``block_size``), so engines that read
+it with a plain ``Qwen3Config`` (vLLM, SGLang) keep working, and adds ``auto_map`` so that
+``AutoConfig/AutoModel.from_pretrained(..., trust_remote_code=True)`` returns the classes below.
+"""
+
+import copy
+import logging
+
+try:
+    from transformers import PreTrainedConfig
+except ImportError:  # transformers < 5 only has the old spelling
+    from transformers import PretrainedConfig as PreTrainedConfig
+
+logger = logging.getLogger(__name__)
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+def legacy_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The layer rule of the first DFlash checkpoints, used only when ``target_layer_ids`` is absent.
+
+    n == 1 -> [L // 2]; otherwise n ids spread evenly over [1, L - 3] with Python ``round``
+    (L=36, n=5 -> [1, 9, 17, 25, 33]). Source: z-lab/dflash ``build_target_layer_ids`` (notes section 2).
+    """
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def normalize_rope(rope_theta=None, rope_scaling=None, rope_parameters=None) -> dict:
+    """Merge the two published rope spellings into one ``rope_parameters`` dict.
+
+    Accepts the transformers 4.x spelling (``rope_theta`` + ``rope_scaling`` with ``type`` or
+    ``rope_type``) and the 5.x spelling (``rope_parameters`` with ``rope_type`` and ``rope_theta``).
+    ``rope_parameters`` wins when both are given. Returns e.g. ``{"rope_type": "yarn",
+    "rope_theta": 1e6, "factor": 4.0, ...}``.
+
+    Raises:
+        ValueError: unknown ``rope_type`` or a scaling type without its ``factor``.
+    """
+    if rope_parameters:
+        params = dict(rope_parameters)
+        if "full_attention" in params and isinstance(params["full_attention"], dict):
+            params = dict(params["full_attention"])  # per-layer-type nesting of 5.x; the draft uses one rope
+    else:
+        params = dict(rope_scaling or {})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.pop("type", None)
+    params.setdefault("rope_type", "default")
+    theta = params.get("rope_theta", rope_theta)
+    params["rope_theta"] = float(theta if theta is not None else 10000.0)
+    if params["rope_type"] not in ROPE_TYPES:
+        raise ValueError(f"rope_type={params['rope_type']!r} is not supported by the DFlash draft; expected one of {ROPE_TYPES}")
+    if params["rope_type"] != "default" and "factor" not in params:
+        raise ValueError(f"rope_type={params['rope_type']!r} needs a 'factor' in rope_scaling/rope_parameters, got {params}")
+    return params
+
+
+class DFlashConfig(PreTrainedConfig):
+    r"""Configuration of [`DFlashDraftModel`].
+
+    DFlash fields:
+        block_size (`int`): tokens per drafted block, anchor included (16 for the published b16 drafts).
+        mask_token_id (`int`): id of the reserved target-vocabulary token that fills slots 1..block_size-1.
+        target_layer_ids (`list[int]`): 0-based target layers whose OUTPUT is captured (HF
+            ``hidden_states[k + 1]``; the last layer is post final norm). Required, unless the legacy
+            ``num_target_layers`` rule applies (see [`legacy_target_layer_ids`]).
+        num_target_layers (`int`, *optional*): the target's decoder layer count (pairing check, legacy rule).
+        target_hidden_size (`int`, *optional*): the target's hidden size; defaults to ``hidden_size``.
+        is_causal (`bool`, *optional*): overrides the per-layer rule (full layers bidirectional inside
+            the block, sliding layers causal). Also read from ``dflash_config.causal``.
+        target_model_id / target_revision (`str`, *optional*): the target this draft was trained for.
+        vocab_size (`int`): the target's vocabulary size (the draft borrows its embedding and head).
+
+    Backbone fields follow ``Qwen3Config`` (hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, attention_bias,
+    max_position_embeddings, layer_types, sliding_window) and the draft's OWN rope
+    (``rope_theta`` + ``rope_scaling`` or ``rope_parameters``; default, linear, yarn, llama3).
+
+    Raises:
+        ValueError: at construction, naming the bad value: missing or duplicate or negative
+            ``target_layer_ids``, ``mask_token_id`` outside ``[0, vocab_size)``, ``block_size < 1``,
+            ``layer_types`` of the wrong length or with an unknown type, a sliding layer without window.
+    """
+
+    model_type = "qwen3"  # the published dialect; plain AutoConfig reads saved folders as Qwen3Config
+    has_no_defaults_at_init = True
+
+    def __init__(
+        self,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=5,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        hidden_act="silu",
+        max_position_embeddings=40960,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        attention_dropout=0.0,
+        rope_theta=None,
+        rope_scaling=None,
+        rope_parameters=None,
+        layer_types=None,
+        sliding_window=None,
+        use_sliding_window=False,
+        max_window_layers=None,
+        block_size=None,
+        mask_token_id=None,
+        target_layer_ids=None,
+        num_target_layers=None,
+        target_hidden_size=None,
+        is_causal=None,
+        target_model_id=None,
+        target_revision=None,
+        dflash_config=None,
+        **kwargs,
+    ):
+        kwargs.pop("tie_word_embeddings", None)
+        kwargs.pop("model_type", None)
+        super().__init__(tie_word_embeddings=False, **kwargs)
+        nested = dict(dflash_config or {})
+        # Published dialects (notes section 2): nested values first, then top level.
+        block_size = nested.get("block_size", block_size)
+        mask_token_id = nested.get("mask_token_id", mask_token_id)
+        target_layer_ids = nested.get("target_layer_ids", target_layer_ids)
+        if is_causal is None and nested.get("causal") is not None:
+            is_causal = nested["causal"]
+
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads if num_key_value_heads is not None else num_attention_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.rope_parameters = normalize_rope(rope_theta, rope_scaling, rope_parameters)
+        self.rope_theta = self.rope_parameters["rope_theta"]
+        if max_window_layers is None:
+            max_window_layers = num_hidden_layers
+        if layer_types is None:  # the Qwen3Config rule
+            layer_types = [
+                "sliding_attention" if use_sliding_window and sliding_window and i >= max_window_layers else "full_attention"
+                for i in range(num_hidden_layers)
+            ]
+        self.layer_types = list(layer_types)
+        self.sliding_window = sliding_window
+        self.use_sliding_window = "sliding_attention" in self.layer_types
+        self.max_window_layers = max_window_layers
+        self.block_size = 16 if block_size is None else block_size
+        self.mask_token_id = mask_token_id
+        if target_layer_ids is None and num_target_layers is not None:
+            target_layer_ids = legacy_target_layer_ids(num_target_layers, num_hidden_layers)
+            logger.warning(
+                "DFlash config has no target_layer_ids; using the legacy rule with num_target_layers=%d and "
+                "num_hidden_layers=%d: %s",
+                num_target_layers,
+                num_hidden_layers,
+                target_layer_ids,
+            )
+        self.target_layer_ids = None if target_layer_ids is None else [int(i) for i in target_layer_ids]
+        self.num_target_layers = num_target_layers
+        self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
+        self.is_causal = is_causal
+        self.target_model_id = target_model_id
+        self.target_revision = target_revision
+        self._validate_dflash()
+
+    @property
+    def num_target_features(self) -> int:
+        """Number of captured target layers; ``fc`` maps ``num_target_features * target_hidden_size -> hidden_size``."""
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, layer_idx: int) -> bool:
+        """Whether draft layer ``layer_idx`` is causal inside the block (notes section 2, causality rule)."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[layer_idx] == "sliding_attention"
+
+    def layer_window(self, layer_idx: int):
+        """Sliding window in tokens of draft layer ``layer_idx`` (key visible iff q_pos - k_pos < window), or None."""
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
+
+    def _validate_dflash(self):
+        ids = self.target_layer_ids
+        if ids is None:
+            raise ValueError(
+                "DFlash config needs target_layer_ids (in dflash_config or at top level); got none, and no "
+                "num_target_layers for the legacy rule either"
+            )
+        if len(ids) == 0 or len(set(ids)) != len(ids) or min(ids) < 0:
+            raise ValueError(f"target_layer_ids must be distinct non-negative layer indices, got {ids}")
+        if self.num_target_layers is not None and max(ids) >= self.num_target_layers:
+            raise ValueError(f"target_layer_ids {ids} reach beyond num_target_layers={self.num_target_layers}")
+        if self.mask_token_id is None:
+            raise ValueError("DFlash config needs mask_token_id (in dflash_config or at top level); got none")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id={self.mask_token_id} must be in [0, vocab_size={self.vocab_size})")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}"
+            )
+        for t in self.layer_types:
+            if t not in LAYER_TYPES:
+                raise ValueError(f"unknown layer type {t!r} in layer_types; expected one of {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    def to_dict(self):
+        """The published dialect plus our fields: both rope spellings, ``dflash_config`` nested copy."""
+        out = super().to_dict()
+        out["model_type"] = "qwen3"
+        out.setdefault("architectures", ["DFlashDraftModel"])
+        rope = copy.deepcopy(self.rope_parameters)
+        out["rope_parameters"] = rope
+        out["rope_theta"] = rope["rope_theta"]
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        out["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
+        out["dflash_config"] = {
+            "target_layer_ids": list(self.target_layer_ids),
+            "mask_token_id": self.mask_token_id,
+            "block_size": self.block_size,
+        }
+        if self.is_causal is None:
+            out.pop("is_causal", None)
+        return out
+
+    def to_diff_dict(self):
+        """The diff dict, plus every backbone and DFlash field: serving engines read the plain Qwen3
+        fields, so none may be left implicit as a default."""
+        out = super().to_diff_dict()
+        full = self.to_dict()
+        for key in _ALWAYS_SAVED:
+            if key in full:
+                out[key] = full[key]
+        if self.is_causal is None:
+            out.pop("is_causal", None)
+        return out
+
+
+_ALWAYS_SAVED = (
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+    "rms_norm_eps", "attention_bias", "attention_dropout", "rope_theta", "rope_scaling", "rope_parameters",
+    "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "tie_word_embeddings",
+    "block_size", "num_target_layers", "target_hidden_size", "dflash_config", "is_causal",
+    "target_layer_ids", "mask_token_id", "target_model_id", "target_revision",
+)
+
+
+__all__ = ["DFlashConfig", "legacy_target_layer_ids", "normalize_rope"]

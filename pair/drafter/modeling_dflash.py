@@ -1,0 +1,408 @@
+"""DFlash draft model: a block-diffusion drafter for lossless speculative decoding (arXiv 2602.06036).
+
+The draft is a small Qwen3-style decoder with no embedding and no LM head of its own (it borrows the
+target's, frozen). Each call drafts a whole block ``[anchor, MASK, ..., MASK]`` in one forward pass.
+Target hidden states captured at ``config.target_layer_ids`` are fused by ``fc`` + ``hidden_norm``
+and injected as extra keys/values into every draft layer ("KV injection"); queries come only from
+the block. See ``shared/docs/dflash-notes.md`` sections 1-2. State-dict names equal the published
+z-lab / SpecForge checkpoints, so they load strictly with no renaming.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+try:
+    from .configuration_dflash import DFlashConfig
+    from .generation_utils import spec_generate as _spec_generate
+except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from configuration_dflash import DFlashConfig
+    from generation_utils import spec_generate as _spec_generate
+
+try:  # optional, CUDA only
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
+
+class DFlashRMSNorm(nn.Module):
+    """RMSNorm computed in fp32, as ``Qwen3RMSNorm``: ``weight * x / sqrt(mean(x^2) + eps)``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def _yarn_inv_freq(rope: dict, dim: int, max_position_embeddings: int):
+    """YaRN (Peng et al. 2023, eq. 15-23): blend interpolated and extrapolated frequencies by a linear
+    ramp over the correction range, and scale attention by ``0.1 * ln(factor) + 1`` (or the given
+    ``attention_factor`` / ``mscale`` ratio). Same formulas as transformers' ``yarn`` rope init."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    original_max = rope.get("original_max_position_embeddings") or max_position_embeddings
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def _llama3_inv_freq(rope: dict, inv_freq: torch.Tensor):
+    """Llama 3.1 frequency-dependent scaling (low frequencies divided by ``factor``, smooth blend)."""
+    factor, low_ff, high_ff = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_len = rope.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_len / low_ff, old_len / high_ff
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_rope_inv_freq(config: DFlashConfig):
+    """Inverse frequencies ``(head_dim // 2,)`` fp32 on CPU and the attention scaling, from the DRAFT's
+    own rope settings (a draft rope built from the target's config drops acceptance to ~1, notes
+    section 6). Supports ``default``, ``linear``, ``yarn``, ``llama3``."""
+    rope, dim = config.rope_parameters, config.head_dim
+    base_inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+    kind = rope["rope_type"]
+    if kind == "default":
+        return base_inv_freq, 1.0
+    if kind == "linear":
+        return base_inv_freq / rope["factor"], 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(rope, dim, config.max_position_embeddings)
+    if kind == "llama3":
+        return _llama3_inv_freq(rope, base_inv_freq), 1.0
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+class DFlashRotaryEmbedding(nn.Module):
+    """Rotary embedding of the draft. Frequencies are kept as Python floats (no buffer), so loading on
+    the meta device or moving the module never leaves them uninitialised."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        inv_freq, self.attention_scaling = compute_rope_inv_freq(config)
+        self.inv_freq = inv_freq.tolist()
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor):
+        """position_ids ``(batch, n)`` -> ``(cos, sin)``, each ``(batch, n, head_dim)`` in ``x.dtype``."""
+        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=position_ids.device)
+        freqs = position_ids[:, :, None].float() * inv_freq[None, None, :]  # (batch, n, head_dim // 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """q ``(b, heads, q_len, d)``, k ``(b, kv_heads, n, d)``, cos/sin ``(b, n, d)`` for the n new keys
+    (new context + block); the queries are the last ``q_len`` of them."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_len = q.shape[-2]
+    q_embed = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
+    k_embed = k * cos + rotate_half(k) * sin
+    return q_embed, k_embed
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``(b, kv_heads, n, d)`` -> ``(b, kv_heads * n_rep, n, d)`` for grouped-query attention."""
+    if n_rep == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
+
+
+def block_attention_mask(q_pos, k_pos, causal: bool, window: Optional[int], key_valid=None):
+    """Boolean visibility ``(b, 1, q_len, kv_len)`` (True = attend) for block queries over [context ++ block].
+
+    Context keys always sit at positions before the block, so they are visible to every query
+    (notes section 1, visibility rule); inside the block, full-attention layers are bidirectional and
+    causal layers see ``k_pos <= q_pos``; a sliding window keeps ``q_pos - k_pos < window`` (the
+    transformers convention). ``key_valid`` ``(b, kv_len)`` removes padding keys and cache holes.
+    Returns None when every key is visible (the fast path of sdpa).
+    """
+    if not causal and window is None and key_valid is None:
+        return None
+    diff = q_pos[:, :, None] - k_pos[:, None, :]  # (b, q_len, kv_len)
+    mask = torch.ones_like(diff, dtype=torch.bool)
+    if causal:
+        mask &= diff >= 0
+    if window is not None:
+        mask &= diff < window
+    if key_valid is not None:
+        mask &= key_valid[:, None, :].bool()
+    return mask[:, None]
+
+
+def flash_usable(t: torch.Tensor) -> bool:
+    """flash-attn runs only on CUDA in fp16/bf16; elsewhere the sdpa path with explicit masks is used."""
+    return flash_attn_func is not None and t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+
+
+def eager_attention(q, k, v, mask, scaling):
+    """Reference attention; softmax in fp32. ``mask`` is bool (True = attend), float additive, or None."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention (q/k RMSNorm per head) whose keys/values are [fused target context ++ block]."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = config.layer_is_causal(layer_idx)
+        self.sliding_window = config.layer_window(layer_idx)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, target_hidden, position_embeddings, attention_mask, past_key_values=None):
+        """hidden_states ``(b, q_len, H)`` (block), target_hidden ``(b, ctx_len, H)`` (fused new context)."""
+        bsz, q_len, _ = hidden_states.shape
+        ctx_len = target_hidden.shape[1]
+        q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)).transpose(1, 2)
+        k = torch.cat([self.k_proj(target_hidden), self.k_proj(hidden_states)], dim=1)
+        v = torch.cat([self.v_proj(target_hidden), self.v_proj(hidden_states)], dim=1)
+        k = self.k_norm(k.view(bsz, ctx_len + q_len, -1, self.head_dim)).transpose(1, 2)  # (b, kv_heads, n, d)
+        v = v.view(bsz, ctx_len + q_len, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        out = self._attend(q, k, v, attention_mask)  # (b, heads, q_len, d)
+        out = out.transpose(1, 2).reshape(bsz, q_len, -1)
+        return self.o_proj(out)
+
+    def _attend(self, q, k, v, mask):
+        impl = self.config._attn_implementation
+        if impl == "flash_attention_2" and mask is None and flash_usable(q):
+            left = self.sliding_window - 1 if self.sliding_window else -1
+            out = flash_attn_func(  # keys are contiguous positions; queries are the last q_len keys
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=self.scaling,
+                causal=self.is_causal, window_size=(left, 0 if self.is_causal else -1),
+            )
+            return out.transpose(1, 2)
+        k, v = repeat_kv(k, self.num_kv_groups), repeat_kv(v, self.num_kv_groups)
+        if impl == "eager":
+            return eager_attention(q, k, v, mask, self.scaling)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; DFlash drafts use 'silu'")
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm decoder layer; only the block is normed (the context feature is normed once by
+    ``hidden_norm``) and only the block goes through the MLP."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, target_hidden, position_embeddings, attention_mask, past_key_values=None):
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), target_hidden, position_embeddings, attention_mask, past_key_values
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashPreTrainedModel(PreTrainedModel):
+    config_class = DFlashConfig
+    base_model_prefix = "model"
+    main_input_name = "noise_embedding"
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flash_attn_2 = True
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, DFlashRMSNorm):
+            module.weight.data.fill_(1.0)
+
+
+class DFlashDraftModel(DFlashPreTrainedModel):
+    """The DFlash drafter: ``fc`` + ``hidden_norm`` feature fusion, KV injection into every layer,
+    Qwen3-style layers, final ``norm``. No embedding or LM head: use the target's.
+
+    Attributes ``block_size``, ``mask_token_id`` and ``target_layer_ids`` mirror the config (the
+    public surface of the z-lab implementation). Generate with [`spec_generate`].
+    """
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.fc = nn.Linear(config.num_target_features * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DFlashRotaryEmbedding(config)
+        self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list:
+        return self.config.target_layer_ids
+
+    def forward(
+        self,
+        position_ids: torch.LongTensor,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        past_key_values=None,
+        use_cache: bool = False,
+        attention_mask: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Draft one block (or, in training, many packed blocks) in one pass.
+
+        Args:
+            position_ids: ``(b, ctx_len + q_len)`` absolute positions of the NEW context entries
+                followed by the block; cached keys are taken to sit at positions ``0..past_len-1``.
+            noise_embedding: ``(b, q_len, H)`` target embeddings of ``[anchor, MASK, ...]``.
+            target_hidden: ``(b, ctx_len, n_feat * target_hidden_size)`` raw concatenation of the
+                captured target layers for the new context positions (cast to the draft's dtype here).
+            past_key_values: a transformers ``Cache`` (e.g. ``DynamicCache``) holding context K/V; it
+                is updated in place with the new context AND the block (crop the block off after).
+            use_cache: accepted for compatibility; caching happens whenever ``past_key_values`` is given.
+            attention_mask: None (built from positions), a ``(b, kv_len)`` key-validity mask
+                (1 = real key, positions then taken as ``cumsum - 1``), a ``(b, 1, q_len, kv_len)``
+                bool/additive mask used by every layer, or a dict ``{"full_attention": m,
+                "sliding_attention": m}`` of such masks (packed training blocks).
+            **kwargs: ignored (the z-lab loop passes ``is_causal=False``; causality is per layer, from
+                the config: full-attention layers bidirectional, sliding layers causal).
+
+        Returns:
+            ``(b, q_len, H)`` final-normed hidden states; logits = target head of these.
+        """
+        dtype = self.fc.weight.dtype
+        hidden_states = noise_embedding.to(device=self.fc.weight.device, dtype=dtype)
+        target_hidden = self.hidden_norm(self.fc(target_hidden.to(device=hidden_states.device, dtype=dtype)))
+        position_ids = position_ids.to(hidden_states.device)
+        q_len = hidden_states.shape[1]
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        masks = self._layer_masks(position_ids, q_len, past_len, attention_mask)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer, mask in zip(self.layers, masks):
+            hidden_states = layer(hidden_states, target_hidden, position_embeddings, mask, past_key_values)
+        return self.norm(hidden_states)
+
+    def _layer_masks(self, position_ids, q_len, past_len, attention_mask):
+        """One mask per layer (shared between layers of the same kind); see [`block_attention_mask`]."""
+        cfg = self.config
+        kinds = [(cfg.layer_is_causal(i), cfg.layer_window(i), cfg.layer_types[i]) for i in range(cfg.num_hidden_layers)]
+        if isinstance(attention_mask, dict):
+            return [attention_mask[t] for _, _, t in kinds]
+        if attention_mask is not None and attention_mask.dim() == 4:
+            return [attention_mask] * len(kinds)
+        bsz = position_ids.shape[0]
+        q_pos = position_ids[:, -q_len:]
+        key_valid = None
+        if attention_mask is not None:  # (b, kv_len) key validity
+            key_valid = attention_mask.to(position_ids.device).bool()
+            k_pos = key_valid.long().cumsum(-1) - 1
+        else:
+            past = torch.arange(past_len, device=position_ids.device).expand(bsz, past_len)
+            k_pos = torch.cat([past, position_ids], dim=1)
+        cache = {}
+        masks = []
+        for causal, window, _ in kinds:
+            if (causal, window) not in cache:
+                cache[(causal, window)] = block_attention_mask(q_pos, k_pos, causal, window, key_valid)
+            masks.append(cache[(causal, window)])
+        # flash-attn takes `causal`/`window_size` itself and needs no mask when keys are contiguous
+        if cfg._attn_implementation == "flash_attention_2" and key_valid is None and flash_usable(self.fc.weight):
+            masks = [None] * len(masks)
+        return masks
+
+    def spec_generate(self, target, input_ids, max_new_tokens=None, stop_token_ids=None, temperature=None, **kwargs):
+        """Lossless speculative decoding of ``target`` with this draft; see ``generation_utils.spec_generate``."""
+        return _spec_generate(
+            self, target, input_ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+            temperature=temperature, **kwargs,
+        )
+
+
+DFlashConfig.register_for_auto_class()
+DFlashDraftModel.register_for_auto_class("AutoModel")
+
+__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig"]
