@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import generation_utils
-from tiny import MASK_ID, VOCAB, tiny_draft, tiny_target
+from tiny import VOCAB, tiny_draft, tiny_target
 
 TARGETS = {kind: tiny_target(kind) for kind in ("qwen3", "llama")}
 PROMPTS = {n: torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (1, 3, 15, 50)}
@@ -34,7 +34,7 @@ def oracle(monkeypatch):
         real = generation_utils._draft_logits
 
         def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
-            logits = real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
+            real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
             start = int(start[0])
             assert draft_cache.get_seq_length() == start  # context K/V of positions < anchor only
             right = script[len(calls) % len(script)]

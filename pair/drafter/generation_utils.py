@@ -564,7 +564,7 @@ def _forward_target(target, cache_kw, cache, tokens, positions, valid):
 def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, mask_token_id, sampling,
             stop_ids, features, streamer, output_timings, pad, out):
     """The speculative loop; fills ``out`` in place."""
-    device, (bsz, prompt_len) = input_ids.device, input_ids.shape
+    device, bsz = input_ids.device, input_ids.shape[0]
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     cache_kw = _cache_kwarg(target)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
