@@ -7,52 +7,208 @@ argmax is kept, plus the target's token at the first mismatch (the bonus token).
 pass or fail the speculative-sampling test and the first failure is replaced by a residual sample
 (``speculative_verify``). Both KV caches are then cut back to the committed length; in a batch,
 every row commits its own count.
+
+Arguments are resolved by ``target.generate`` itself (``custom_generate=`` with a callable runs
+generate's own config merging, length rule, warnings, logits processors and stopping criteria, then
+hands them to our loop), so ``spec_generate`` decides exactly what ``generate`` decides.
 """
 
 import contextlib
 import inspect
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
-from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.utils import ModelOutput
+from transformers import (
+    DynamicCache,
+    EosTokenCriteria,
+    GenerationConfig,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.generation import logits_process as _lp
 
-# generation_config options that change which token is chosen and that spec_generate does not apply.
-_UNSUPPORTED = {
-    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-    "bad_words_ids": None, "force_words_ids": None, "min_length": 0, "min_new_tokens": None,
-    "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None,
-    "begin_suppress_tokens": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
-    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1, "penalty_alpha": None,
-    "guidance_scale": None, "watermarking_config": None, "num_return_sequences": 1,
+
+class _NotPassed:
+    """Default of every ``generate``-named argument: 'not passed', so an explicit ``None`` means None
+    (``top_k=None`` switches top-k off, ``max_new_tokens=None`` ignores the config's value), as in generate."""
+
+    def __repr__(self):
+        return "NOT_PASSED"
+
+    def __bool__(self):
+        return False
+
+
+NOT_PASSED = _NotPassed()
+
+# Every GenerationConfig field, in exactly one of three groups (tests/test_generate_parity.py checks that
+# the installed transformers has no unclassified field).
+APPLIED_KEYS = frozenset({
+    # length and stopping (generate's own length rule and stopping criteria)
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "max_time", "stop_strings", "eos_token_id",
+    "pad_token_id",
+    # decoding strategy and logits processors (generate's own list, applied to target and draft per slot)
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+    "renormalize_logits", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
+    # output
+    "num_return_sequences", "output_scores", "output_logits", "return_dict_in_generate",
+})
+# Refused by name when set to anything but their neutral value: they cannot be exact here.
+REFUSED_KEYS = {
+    "num_beams": (1, "beam search keeps several hypotheses; speculative decoding verifies one"),
+    "num_beam_groups": (1, "group beam search"),
+    "diversity_penalty": (0.0, "group beam search"),
+    "constraints": (None, "constrained beam search"),
+    "force_words_ids": (None, "constrained beam search"),
+    "penalty_alpha": (None, "contrastive search needs the target's hidden states of every candidate"),
+    "dola_layers": (None, "DoLa contrasts early-exit logits of every step"),
+    "guidance_scale": (1.0, "classifier-free guidance runs a second, unconditional target pass per token"),
+    "watermarking_config": (None, "watermarking processors are not verified as pure functions of the prefix"),
+    "token_healing": (False, "token healing rewrites the prompt"),
+    "output_attentions": (False, "the target runs on blocks: there is no per-token attention tuple"),
+    "output_hidden_states": (False, "the target runs on blocks: there is no per-token hidden-state tuple"),
+    "prompt_lookup_num_tokens": (None, "another speculative method (prompt lookup)"),
+    "assistant_early_exit": (None, "another speculative method (self-speculation by early exit)"),
+    "assistant_ensemble_weight": (None, "another speculative method (assistant ensembles)"),
+    "use_mtp": (None, "another speculative method (multi-token prediction heads)"),
+    "speculation_type": (None, "another speculative method; the DFlash draft here is the speculator"),
+    "is_assistant": (False, "the target is not an assistant here"),
+    "encoder_no_repeat_ngram_size": (0, "encoder-decoder only (generate raises for decoder-only models)"),
+}
+# Accepted and without effect on spec_generate, with the reason.
+NO_EFFECT_KEYS = {
+    "use_cache": "spec_generate always caches (a DynamicCache per model)",
+    "cache_implementation": "spec_generate uses DynamicCache for target and draft; generate is told None so "
+                            "that it allocates no static cache",
+    "cache_config": "see cache_implementation",
+    "max_cache_len": "see cache_implementation",
+    "return_legacy_cache": "the output holds no cache",
+    "prefill_chunk_size": "the prompt is prefilled in one pass",
+    "compile_config": "spec_generate does not compile the forward",
+    "disable_compile": "spec_generate does not compile the forward",
+    "continuous_batching_config": "not a continuous-batching engine",
+    "low_memory": "beam/contrastive search only",
+    "early_stopping": "beam search only",
+    "length_penalty": "beam search only",
+    "bos_token_id": "input_ids are required (no generation from an empty prompt)",
+    "decoder_start_token_id": "encoder-decoder only",
+    "num_assistant_tokens": "configures transformers' own assistant; the DFlash block is `block_size`",
+    "num_assistant_tokens_schedule": "configures transformers' own assistant",
+    "assistant_confidence_threshold": "configures transformers' own assistant",
+    "max_matching_ngram_size": "configures prompt lookup",
+    "assistant_lookbehind": "configures universal assisted decoding",
+    "target_lookbehind": "configures universal assisted decoding",
+    "_from_model_config": "metadata",
+    "transformers_version": "metadata",
 }
 
+# Processors that act on each row's scores alone, whatever came before: applied in one batched call.
+# Any other processor (repetition penalty, n-gram, lengths, bad words, a user's) sees each prefix.
+_PREFIX_FREE = tuple(getattr(_lp, name) for name in (
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
+    "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper", "SuppressTokensLogitsProcessor",
+    "LogitNormalization", "InfNanRemoveLogitsProcessor",
+) if hasattr(_lp, name))
 
-@dataclass
-class DFlashGenerateOutput(ModelOutput):
-    """What ``spec_generate(..., return_dict_in_generate=True)`` returns.
 
-    sequences: ``(B, prompt_len + new_len)`` LongTensor, prompt first, right padded.
-    acceptance_lengths: tokens each verify step accepted, bonus token included (1..block_size), all
-        rows in row order; their mean is the acceptance length tau. Counted before the cut at a
-        stop token or ``max_new_tokens``; the prefill token is not counted.
-    row_acceptance_lengths: the same, one list per row.
-    num_new_tokens: new tokens per row (the real length of each row's continuation).
-    num_draft_forwards / num_target_forwards: forward passes (the target's include the prefill).
-    timings: only with ``output_timings=True``: ``prefill_s``, ``decode_s``, ``total_s`` (seconds,
-        device-synchronised) and ``new_tokens``.
+class _Table(str):
+    """A string that shows as itself (not quoted) at a notebook prompt."""
+
+    def __repr__(self):
+        return str(self)
+
+
+@dataclass(repr=False)
+class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
+    """What ``spec_generate(..., return_dict_in_generate=True)`` returns: a ``GenerateDecoderOnlyOutput``
+    (``isinstance`` holds, the fields follow the installed transformers) plus the speculative statistics.
+
+    Fields of ``generate``:
+        sequences: ``(B, prompt_len + new_len)`` LongTensor, prompt first, right padded.
+        scores: with ``output_scores=True``: a tuple of one ``(B, V)`` fp32 tensor per new token (the first
+            from the prefill), the processed scores the token was chosen from, as generate gives them. In a
+            batch, a row's entries after its last token are NaN (generate would hold scores of pad steps).
+        logits: with ``output_logits=True``: the same for the raw target logits.
+        attentions, hidden_states: always None (refused: the target runs on blocks).
+        cache / past_key_values (the name follows the installed version): always None: the caches hold
+            rejected slots and holes of other rows, so they cannot be resumed from.
+
+    Speculative statistics (one definition, read by README, demo and benchmarks):
+        acceptance_lengths: tokens each verify step committed, bonus included, all rows in row order.
+            Tokens past a row's budget or stop are not counted; the prefill token is not counted.
+        row_acceptance_lengths: the same, one list per row; ``sum(row) == num_new_tokens[r] - 1``.
+        row_draft_lengths: drafts proposed per verify step, per row (``b - 1``, capped by the row's
+            remaining budget: a slot not drafted is not a rejection).
+        row_accepted_drafts: drafts the verifier accepted per step, per row (before any stop cut).
+        num_new_tokens: new tokens per row.
+        num_draft_forwards / num_target_forwards: forward passes (the target's include the prefill).
+        timings: with ``output_timings=True``: ``prefill_s``, ``decode_s``, ``total_s`` (seconds,
+            device-synchronised) and ``new_tokens``.
+    Derived: [`tau`], [`row_tau`], [`slot_acceptance`], [`summary`].
     """
 
-    sequences: torch.LongTensor = None
     acceptance_lengths: Optional[list] = None
     row_acceptance_lengths: Optional[list] = None
+    row_draft_lengths: Optional[list] = None
+    row_accepted_drafts: Optional[list] = None
     num_new_tokens: Optional[list] = None
     num_draft_forwards: Optional[int] = None
     num_target_forwards: Optional[int] = None
     timings: Optional[dict] = None
+
+    @property
+    def tau(self) -> Optional[float]:
+        """Acceptance length pooled over rows: ``sum(new - 1) / sum(verify steps)``; None with no step."""
+        steps = sum(len(r) for r in self.row_acceptance_lengths or [])
+        return sum(n - 1 for n in self.num_new_tokens if n > 0) / steps if steps else None
+
+    @property
+    def row_tau(self) -> list:
+        """Per row ``(new - 1) / verify steps`` (None for a row that made no verify step)."""
+        return [(n - 1) / len(r) if r else None for n, r in zip(self.num_new_tokens, self.row_acceptance_lengths)]
+
+    def slot_acceptance(self) -> list:
+        """Acceptance rate of draft slot ``k = 1..K``: steps that accepted >= k drafts / steps that drafted
+        slot k (all rows pooled); None for a slot no step drafted."""
+        drafted = [d for row in self.row_draft_lengths or [] for d in row]
+        accepted = [a for row in self.row_accepted_drafts or [] for a in row]
+        rates = []
+        for k in range(1, max(drafted, default=0) + 1):
+            n = sum(d >= k for d in drafted)
+            rates.append(sum(a >= k for a, d in zip(accepted, drafted) if d >= k) / n if n else None)
+        return rates
+
+    def summary(self) -> str:
+        """A short table: rows, new tokens, verify steps, tau, per-slot acceptance, forwards, timings."""
+        tau = self.tau
+        lines = [f"DFlashGenerateOutput: {len(self.num_new_tokens or [])} row(s), sequences "
+                 f"{tuple(self.sequences.shape) if self.sequences is not None else None}",
+                 f"  tau (new - 1) / steps : {'-' if tau is None else f'{tau:.2f}'}",
+                 "  row  new  steps   tau"]
+        for r, (n, steps, t) in enumerate(zip(self.num_new_tokens, self.row_acceptance_lengths, self.row_tau)):
+            lines.append(f"  {r:>3} {n:>4} {len(steps):>6} {'-' if t is None else f'{t:5.2f}':>5}")
+        rates = self.slot_acceptance()
+        if rates:
+            lines.append("  slot acceptance: " + " ".join("-" if x is None else f"{x:.2f}" for x in rates))
+        lines.append(f"  forwards: draft {self.num_draft_forwards}, target {self.num_target_forwards}")
+        if self.timings:
+            t = self.timings
+            tps = t["new_tokens"] / t["total_s"] if t["total_s"] > 0 else float("nan")
+            lines.append(f"  time: prefill {t['prefill_s']:.3f}s, decode {t['decode_s']:.3f}s, {tps:.1f} tok/s")
+        return _Table("\n".join(lines))
+
+    def __repr__(self):
+        return str(self.summary())
 
 
 # ----------------------------------------------------------------------------- target feature taps
@@ -67,6 +223,35 @@ def _decoder_parts(target):
     return layers, norm
 
 
+
+
+class _Taps:
+    """One forward hook per decoder layer (and the final norm) of one target, shared by every capture
+    running on it; each hook stores the output only into the captures of the calling thread, so
+    concurrent ``spec_generate`` calls from several threads see only their own forward passes."""
+
+    def __init__(self, target):
+        layers, norm = _decoder_parts(target)
+        self.num_layers = len(layers)
+        self.by_thread = {}  # thread id -> list of stores (dict layer id -> tensor)
+        modules = [*layers[:-1], norm]  # layer id k = output of layer k; the last one after the final norm
+        self.handles = [m.register_forward_hook(self._hook(k)) for k, m in enumerate(modules)]
+
+    def _hook(self, k):
+        def hook(module, args, output):
+            stores = self.by_thread.get(threading.get_ident())
+            if stores:
+                value = output[0] if isinstance(output, (tuple, list)) else output
+                for store in stores:
+                    if k in store["wanted"]:
+                        store[k] = value
+        return hook
+
+
+_TAPS_LOCK = threading.Lock()
+_TAPS = weakref.WeakKeyDictionary()  # target -> _Taps, only while some capture on it is open
+
+
 @contextlib.contextmanager
 def capture_target_features(target, layer_ids):
     """Capture the outputs of target layers ``layer_ids`` during forwards inside the ``with`` block.
@@ -74,44 +259,41 @@ def capture_target_features(target, layer_ids):
     Layer id ``k`` is the OUTPUT of decoder layer ``k`` (HF ``hidden_states[k + 1]``); for the last
     layer that is the post-final-norm state, as in HF's ``hidden_states[-1]`` (notes section 1; an
     off-by-one here silently ruins acceptance, notes section 6). Only these layers are kept, never all.
+    Only forwards run by the calling thread are captured: two threads decoding with one target each
+    get their own features (the hooks are shared per target and removed when the last capture exits).
 
     Yields a callable ``get() -> (batch, seq, len(layer_ids) * hidden)`` returning the features of the
-    most recent forward, concatenated in ``layer_ids`` order. Hooks are removed on exit.
+    most recent forward, concatenated in ``layer_ids`` order.
 
     Raises:
         ValueError: a layer id outside ``[0, num_layers)``.
     """
-    layers, norm = _decoder_parts(target)
+    layers, _ = _decoder_parts(target)
     bad = [k for k in layer_ids if not 0 <= k < len(layers)]
     if bad:
         raise ValueError(f"target_layer_ids {list(layer_ids)} include {bad}, but the target has {len(layers)} layers")
-    store = {}
-
-    def hook_for(k):
-        def hook(module, args, output):
-            store[k] = output[0] if isinstance(output, (tuple, list)) else output
-        return hook
-
-    handles = [
-        (norm if k == len(layers) - 1 else layers[k]).register_forward_hook(hook_for(k)) for k in layer_ids
-    ]
+    store, tid = {"wanted": frozenset(layer_ids)}, threading.get_ident()
+    with _TAPS_LOCK:
+        taps = _TAPS.get(target)
+        if taps is None:
+            taps = _TAPS[target] = _Taps(target)
+        taps.by_thread.setdefault(tid, []).append(store)
     try:
         yield lambda: torch.cat([store[k] for k in layer_ids], dim=-1)
     finally:
-        for h in handles:
-            h.remove()
+        with _TAPS_LOCK:
+            stores = taps.by_thread[tid]
+            stores[:] = [s for s in stores if s is not store]  # by identity: equal dicts are different captures
+            if not stores:
+                del taps.by_thread[tid]
+            if not taps.by_thread:
+                for h in taps.handles:
+                    h.remove()
+                _TAPS.pop(target, None)
         store.clear()
 
 
 # ----------------------------------------------------------------------------- small helpers
-
-# generate()'s own fallbacks for fields a generation_config leaves unset (5.x stores None for them).
-_GENERATE_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "max_length": 20}
-
-
-def _gen(generation_config, name):
-    value = getattr(generation_config, name, None)
-    return _GENERATE_DEFAULTS.get(name) if value is None else value
 
 
 def crop_cache(cache, length: int) -> None:
@@ -131,28 +313,42 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _resolve_stop_ids(stop_token_ids, generation_config):
-    if stop_token_ids is None:
-        stop_token_ids = generation_config.eos_token_id
-    if stop_token_ids is None:
-        return []
-    if isinstance(stop_token_ids, int):
-        return [stop_token_ids]
-    return [int(t) for t in (stop_token_ids.tolist() if torch.is_tensor(stop_token_ids) else stop_token_ids)]
+class _History:
+    """Each row's tokens so far (padded prompt + committed new tokens), for processors and stopping
+    criteria that read the sequence. ``tokens`` ``(B0, width)`` int64 over the original rows."""
+
+    def __init__(self, input_ids, budget, block_size):
+        bsz, width = input_ids.shape
+        self.prompt_len = width
+        self.tokens = input_ids.new_zeros(bsz, width + budget + block_size)
+        self.tokens[:, :width] = input_ids
+
+    def write(self, row: int, start: int, tokens: list):
+        self.tokens[row, start: start + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
 
 
-def _logits_warpers(temperature, top_k, top_p, min_p) -> LogitsProcessorList:
-    """The sampling warpers of ``generate``, in its order: temperature, top-k, top-p, min-p."""
-    warpers = LogitsProcessorList()
-    if temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(temperature))
-    if top_k is not None and top_k != 0:
-        warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
-    if top_p is not None and top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
-    if min_p is not None:
-        warpers.append(MinPLogitsWarper(min_p=min_p, min_tokens_to_keep=1))
-    return warpers
+def _process_at(procs, history, ids, lengths, ext, scores):
+    """Apply ``procs`` to ``scores`` ``(A, V)``, row ``i`` seeing its own prefix: its first ``lengths[i]``
+    history tokens followed by ``ext[i]`` ``(A, j)`` (anchor-side drafts). Returns ``(A, V)`` fp32.
+
+    This is the call generate makes when it chooses the token after that prefix (and what transformers'
+    ``DFlashTokenCandidateGenerator.get_candidates`` does slot by slot). Rows of equal prefix length go in
+    one call, laid out at their original batch index in a full ``(B0, L)`` batch (other rows hold a copy),
+    because some processors are per batch row (``prefix_allowed_tokens_fn(batch_id, ...)``, the 5.x
+    repetition penalty's per-row prompt padding).
+    """
+    out = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
+    bsz0 = history.tokens.shape[0]
+    for length in sorted(set(lengths.tolist())):
+        sel = (lengths == length).nonzero()[:, 0]
+        prefix = torch.cat([history.tokens[ids[sel], :length], ext[sel]], dim=1)  # (g, length + j)
+        rows = ids[sel]
+        full_ids = prefix[:1].expand(bsz0, -1).clone()
+        full_ids[rows] = prefix
+        full_scores = scores[sel[:1]].float().expand(bsz0, -1).clone()
+        full_scores[rows] = scores[sel].float()
+        out[sel] = procs(full_ids, full_scores)[rows]
+    return out
 
 
 def speculative_verify(draft_tokens, draft_probs, target_probs, generator=None):
@@ -191,76 +387,182 @@ def speculative_verify(draft_tokens, draft_probs, target_probs, generator=None):
 
 @dataclass
 class _Sampling:
-    """Resolved decoding settings; ``warpers`` is None for greedy decoding."""
+    """How tokens are chosen from logits: generate's processors, then argmax (greedy) or a sample.
 
-    warpers: Optional[LogitsProcessorList]
+    ``procs`` is generate's own ``LogitsProcessorList`` (warpers included when sampling). When every
+    processor is prefix-free (``_PREFIX_FREE``), one batched call processes a whole block (the fast
+    path, as cheap as before); otherwise each slot is processed with its own prefix and drafts are
+    chosen slot by slot (``_process_at``).
+    """
+
+    procs: LogitsProcessorList
+    do_sample: bool
     generator: Optional[torch.Generator]
     sample_draft: bool = True
+    history: Optional[_History] = None  # set when some processor reads the prefix
+
+    want_scores: bool = False  # output_scores / output_logits: return processed scores from verify
+
+    def _lengths(self, rows) -> torch.Tensor:
+        return rows.n_new + self.history.prompt_len  # (A,) history length, anchor included
+
+    @property
+    def needs_prefix(self) -> bool:
+        return any(not isinstance(p, _PREFIX_FREE) for p in self.procs)
+
+    def processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """Prefix-free path: ``(B, n, V)`` logits -> processed fp32 scores, one batched call."""
+        b, n, v = logits.shape
+        flat = logits.reshape(b * n, v).float()
+        if len(self.procs):
+            flat = self.procs(flat.new_zeros(b * n, 1, dtype=torch.long), flat)
+        return flat.view(b, n, v)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """``(B, n, V)`` logits -> processed probabilities, fp32."""
-        b, n, v = logits.shape
-        return torch.softmax(self.warpers(None, logits.reshape(b * n, v).float()), dim=-1).view(b, n, v)
+        """``(B, n, V)`` logits -> processed probabilities, fp32 (prefix-free path)."""
+        return torch.softmax(self.processed(logits), dim=-1)
 
-    def first(self, logits: torch.Tensor) -> torch.LongTensor:
-        """The prefill token ``(B,)`` from the last prompt logits ``(B, V)``."""
-        if self.warpers is None:
-            return logits.argmax(dim=-1)
-        return torch.multinomial(self.probs(logits[:, None])[:, 0], 1, generator=self.generator)[:, 0]
+    def _pick(self, scores: torch.Tensor, sample: bool) -> torch.LongTensor:
+        """``(N, V)`` processed scores -> ``(N,)`` tokens: a sample or the argmax."""
+        if sample:
+            return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator)[:, 0]
+        return scores.argmax(dim=-1)
 
-    def propose(self, draft_logits: torch.Tensor):
-        """Draft tokens ``(B, n)`` and their distribution q ``(B, n, V)`` (None when greedy)."""
-        if self.warpers is None:
-            return draft_logits.argmax(dim=-1), None
-        q = self.probs(draft_logits)
-        if not self.sample_draft:
-            tokens = q.argmax(dim=-1)
-            return tokens, torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype)
-        tokens = torch.multinomial(q.flatten(0, 1), 1, generator=self.generator).view(q.shape[:2])
-        return tokens, q
+    def first(self, logits: torch.Tensor, input_ids: torch.Tensor):
+        """The prefill token ``(B,)`` and its processed scores ``(B, V)`` from the last prompt logits ``(B, V)``;
+        processors see the whole prompt batch, exactly as in generate's first step."""
+        scores = self.procs(input_ids, logits.float()) if len(self.procs) else logits.float()
+        return self._pick(scores, self.do_sample), scores
 
-    def verify(self, drafts, q, target_logits):
-        """``(accepted (B,), next_token (B,))`` for the block's drafts ``(B, n)``; see ``speculative_verify``."""
-        if self.warpers is None:  # greedy: keep drafts equal to the target's argmax
-            choice = target_logits.argmax(dim=-1)  # (B, n + 1)
+    def propose(self, draft_logits: torch.Tensor, rows):
+        """Draft tokens ``(A, n)`` and their distribution q ``(A, n, V)`` (None when greedy)."""
+        if not self.needs_prefix:
+            if not self.do_sample:
+                scores = self.processed(draft_logits) if len(self.procs) else draft_logits
+                return scores.argmax(dim=-1), None
+            q = self.probs(draft_logits)
+            if not self.sample_draft:
+                tokens = q.argmax(dim=-1)
+                return tokens, torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype)
+            return torch.multinomial(q.flatten(0, 1), 1, generator=self.generator).view(q.shape[:2]), q
+        # slot by slot: slot j is processed given the drafts chosen before it
+        a, n, _ = draft_logits.shape
+        tokens = draft_logits.new_zeros(a, n, dtype=torch.long)
+        qs = []
+        for j in range(n):
+            scores = _process_at(self.procs, self.history, rows.ids, self._lengths(rows), tokens[:, :j], draft_logits[:, j])
+            tokens[:, j] = self._pick(scores, self.do_sample and self.sample_draft)
+            qs.append(torch.softmax(scores, dim=-1))
+        if not self.do_sample:
+            return tokens, None
+        q = torch.stack(qs, dim=1)
+        return tokens, (q if self.sample_draft else torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype))
+
+    def target_scores(self, drafts: torch.Tensor, target_logits: torch.Tensor, rows) -> torch.Tensor:
+        """Processed target scores ``(A, n + 1, V)``: slot j sees the row's prefix + the first j drafts."""
+        if not self.needs_prefix:
+            return self.processed(target_logits)
+        return torch.stack([_process_at(self.procs, self.history, rows.ids, self._lengths(rows), drafts[:, :j],
+                                        target_logits[:, j]) for j in range(target_logits.shape[1])], dim=1)
+
+    def verify(self, drafts, q, target_logits, rows):
+        """``(accepted (A,), next_token (A,), scores (A, n + 1, V) or None)``; see ``speculative_verify``.
+
+        ``scores`` are the processed target scores (None on the greedy path without processors)."""
+        if not self.do_sample:  # greedy: keep drafts equal to the target's (processed) argmax
+            scores = self.target_scores(drafts, target_logits, rows) if len(self.procs) else None
+            choice = (target_logits if scores is None else scores).argmax(dim=-1)  # (A, n + 1)
             accepted = (drafts == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-            return accepted, choice.gather(1, accepted[:, None])[:, 0]
-        p = self.probs(target_logits)
-        return speculative_verify(drafts, p[:, :0] if q is None else q, p, self.generator)
+            if scores is None and self.want_scores:
+                scores = target_logits.float()
+            return accepted, choice.gather(1, accepted[:, None])[:, 0], scores
+        if self.needs_prefix:
+            scores = self.target_scores(drafts, target_logits, rows)
+            p = torch.softmax(scores, dim=-1)
+        else:
+            p = self.probs(target_logits)
+            scores = self.processed(target_logits) if self.want_scores else None
+        accepted, nxt = speculative_verify(drafts, p[:, :0] if q is None else q, p, self.generator)
+        return accepted, nxt, scores
 
 
-def _resolve_sampling(generation_config, temperature, do_sample, top_k, top_p, min_p, generator, sample_draft):
-    """Explicit arguments win, then the target's ``generation_config``, then generate's defaults.
 
-    ``do_sample`` unset: an explicit ``temperature`` decides (0 -> greedy, > 0 -> sampling, the
-    published z-lab usage), else ``generation_config.do_sample``. Temperature 0 is always greedy.
+
+class _Stops:
+    """generate's stopping criteria, split by how often they must be asked.
+
+    ``EosTokenCriteria`` -> the id set ``eos``, checked per committed token (cheap); ``MaxLengthCriteria``
+    -> the token budget (``max_length`` minus the padded prompt width, at least 1 as in generate);
+    ``MaxTimeCriteria`` -> asked once per verify step, after the commit; every other criterion
+    (``StopStringCriteria``, a user's) -> called once per committed token, in order, with that row's
+    ``(1, L)`` prefix and ``scores=None``.
     """
-    for name, value in (("temperature", temperature), ("top_k", top_k)):
-        if value is not None and value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if min_p is not None and not 0 <= min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-    if do_sample is None:
-        do_sample = temperature > 0 if temperature is not None else bool(_gen(generation_config, "do_sample"))
-    temperature = temperature if temperature is not None else _gen(generation_config, "temperature")
-    if not do_sample or temperature == 0:
-        return _Sampling(None, generator)
-    top_k = top_k if top_k is not None else _gen(generation_config, "top_k")
-    top_p = top_p if top_p is not None else _gen(generation_config, "top_p")
-    min_p = min_p if min_p is not None else getattr(generation_config, "min_p", None)
-    return _Sampling(_logits_warpers(temperature, top_k, top_p, min_p), generator, sample_draft)
+
+    def __init__(self, criteria, prompt_len: int):
+        self.eos, self.timers, self.others, max_length = set(), [], [], None
+        for c in criteria:
+            if isinstance(c, EosTokenCriteria):
+                self.eos |= set(torch.as_tensor(c.eos_token_id).reshape(-1).tolist())
+            elif isinstance(c, MaxTimeCriteria):
+                self.timers.append(c)
+            elif isinstance(c, MaxLengthCriteria):
+                max_length = c.max_length if max_length is None else min(max_length, c.max_length)
+            else:
+                self.others.append(c)
+        self.budget = max(1, max_length - prompt_len) if max_length is not None else None
+
+    def cut(self, take: list, history: Optional[_History], row: int, start: int):
+        """``take`` cut right after its first stopping token; ``(take, stopped)``. ``history`` already
+        holds ``take`` from index ``start``."""
+        hit = next((j for j, t in enumerate(take) if t in self.eos), None)
+        if hit is not None:
+            take = take[: hit + 1]
+        for j in range(len(take) if self.others else 0):
+            prefix = history.tokens[row: row + 1, : start + j + 1]
+            if any(bool(c(prefix, None).any()) for c in self.others):
+                return take[: j + 1], True
+        return take, hit is not None
+
+    def timed_out(self) -> bool:
+        probe = torch.zeros(1, 1, dtype=torch.long)
+        return any(bool(c(probe, None).any()) for c in self.timers)
 
 
-def _check_generation_config(generation_config):
-    for name, neutral in _UNSUPPORTED.items():
-        value = getattr(generation_config, name, neutral)
-        if value is not None and value != neutral:
-            raise NotImplementedError(
-                f"generation_config.{name}={value!r} is not supported by spec_generate (expected {neutral!r}); "
-                "pass generation_config=GenerationConfig(...) without it"
-            )
+class _Scores:
+    """Per-row processed scores / raw logits of each committed token, assembled like generate's tuples."""
+
+    def __init__(self, bsz: int, scores: bool, logits: bool):
+        self.want = {"scores": scores, "logits": logits}
+        self.rows = {name: [[] for _ in range(bsz)] for name, on in self.want.items() if on}
+
+    def add(self, row: int, n: int, scores, logits):
+        for name, value in (("scores", scores), ("logits", logits)):
+            if name in self.rows:
+                self.rows[name][row].append(value[:n].float())
+
+    def tuples(self, width: int):
+        """name -> tuple of ``width`` tensors ``(B, V)``; NaN after a row's last token."""
+        out = {}
+        for name, rows in self.rows.items():
+            per_row = [torch.cat(r) for r in rows]
+            stacked = per_row[0].new_full((len(per_row), width, per_row[0].shape[-1]), float("nan"))
+            for i, r in enumerate(per_row):
+                stacked[i, : len(r)] = r
+            out[name] = tuple(stacked.unbind(1))
+        return out
+
+
+@dataclass
+class _Run:
+    """What one call's loop writes to, besides the rows: output, per-row chunks, history, stops, streamer."""
+
+    out: DFlashGenerateOutput
+    chunks: list
+    stops: _Stops
+    history: Optional[_History]
+    streamer: object
+    recorder: Optional[_Scores]
+
 
 
 def check_pairing(draft, target):
@@ -293,12 +595,12 @@ def check_pairing(draft, target):
 
 
 def _check_is_causal_lm(target):
-    """The target needs an input embedding, an output head and a generation_config."""
+    """The target needs an input embedding, an output head, a generation_config and ``generate``."""
     try:
         ok = target.get_input_embeddings() is not None and target.get_output_embeddings() is not None
     except (AttributeError, NotImplementedError):
         ok = False
-    if not ok or getattr(target, "generation_config", None) is None:
+    if not ok or getattr(target, "generation_config", None) is None or not hasattr(target, "generate"):
         raise ValueError(f"target must be a causal LM (an AutoModelForCausalLM), got {type(target).__name__}")
 
 
@@ -309,16 +611,20 @@ def _has_sliding_layers(target) -> bool:
 
 
 def _prepare_inputs(input_ids, attention_mask, vocab_size):
-    """Validate ``input_ids`` ``(B, L)`` and the left-padding ``attention_mask``; returns the mask."""
-    if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+    """Validate ``input_ids`` ``(B, L)`` (any integer dtype, returned as int64) and the left-padding
+    ``attention_mask``; returns ``(input_ids, mask)``."""
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a (batch, prompt_len) LongTensor, got {getattr(input_ids, 'shape', input_ids)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    input_ids = input_ids.long()
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: spec_generate needs at least one input token")
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
         raise ValueError(f"input_ids hold ids in [{low}, {high}], outside the target vocabulary [0, {vocab_size})")
     if attention_mask is None:
-        return torch.ones_like(input_ids)
+        return input_ids, torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
     mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
@@ -331,10 +637,108 @@ def _prepare_inputs(input_ids, attention_mask, vocab_size):
         )
     if (mask.sum(1) == 0).any():
         raise ValueError("a row of attention_mask is all zeros: that prompt is empty")
-    return mask
+    return input_ids, mask
 
 
-# ----------------------------------------------------------------------------- the decode loop
+def _check_int(name, value, low, high=None):
+    """ValueError naming ``name`` unless ``value`` is an int (not a bool) in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        if high is not None:
+            raise ValueError(f"{name} must be in [{low}, {high}] (an integer), got {value!r}")
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_sampling_values(kwargs):
+    """Out-of-range sampling values, named before any work (generate would raise later or ignore them)."""
+    t, k, p, m = (kwargs.get(n) for n in ("temperature", "top_k", "top_p", "min_p"))
+    for name, value in (("temperature", t), ("top_k", k)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if p is not None and not 0 < p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    if m is not None and not 0 <= m <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {m}")
+
+
+def _check_refused(generation_config, where="generation_config"):
+    """NotImplementedError naming the first option that spec_generate cannot apply exactly."""
+    for name, (neutral, why) in REFUSED_KEYS.items():
+        value = generation_config.get(name) if isinstance(generation_config, dict) else getattr(
+            generation_config, name, None)
+        if value is not None and value is not False and value != neutral:
+            raise NotImplementedError(
+                f"{name}={value!r} is not supported by spec_generate ({why}); "
+                f"leave it at {neutral!r} (set in {where})"
+            )
+
+
+def _generate_kwargs(passed: dict, kwargs: dict, stop_token_ids, generation_config, target) -> dict:
+    """The keyword arguments handed to ``generate``: passed ``generate``-named arguments and every
+    ``GenerationConfig`` field in ``kwargs`` (TypeError for any other name), ``stop_token_ids`` as
+    ``eos_token_id``, ``temperature=0`` as greedy."""
+    known = set(GenerationConfig().to_dict()) | set(REFUSED_KEYS) | set(NO_EFFECT_KEYS) | APPLIED_KEYS
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"spec_generate() got unexpected keyword argument(s) {unknown}: not GenerationConfig "
+                        "fields nor spec_generate arguments")
+    out = {k: v for k, v in passed.items() if v is not NOT_PASSED}
+    out.update(kwargs)
+    if stop_token_ids is not None:
+        ids = [stop_token_ids] if isinstance(stop_token_ids, int) else [
+            int(t) for t in (stop_token_ids.tolist() if torch.is_tensor(stop_token_ids) else stop_token_ids)]
+        out["eos_token_id"] = ids or None
+    if out.get("temperature") == 0:  # documented extension: temperature 0 is greedy, whatever do_sample says
+        del out["temperature"]
+        out["do_sample"] = False
+    if "max_new_tokens" in out and out["max_new_tokens"] is not None:
+        _check_int("max_new_tokens", out["max_new_tokens"], 0)
+    _check_sampling_values(out)
+    _check_refused(out, where="the call")
+    configs = [c for c in (generation_config, target.generation_config) if c is not None]
+    if out.get("cache_implementation") is not None or any(getattr(c, "cache_implementation", None) for c in configs):
+        out["cache_implementation"] = None  # no effect here; keeps generate from allocating a static cache
+    return out
+
+
+def _stop_strings(gen_kwargs, generation_config, target, tokenizer):
+    """The stop strings in effect (the passed value, else the passed config's, else the target's) as a
+    ``StopStringCriteria``, or None. Built here because generate drops ``tokenizer`` on the
+    ``custom_generate`` path; ``gen_kwargs['stop_strings']`` is then set to None for generate."""
+    if "stop_strings" in gen_kwargs:
+        strings = gen_kwargs["stop_strings"]
+    else:
+        strings = next((c.stop_strings for c in (generation_config, target.generation_config)
+                        if c is not None and getattr(c, "stop_strings", None) is not None), None)
+    if strings is None:
+        return None
+    gen_kwargs["stop_strings"] = None
+    if tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer: pass tokenizer= to spec_generate, as to generate")
+    return StopStringCriteria(tokenizer=tokenizer, stop_strings=strings)
+
+
+def _through_generate(target, input_ids, attention_mask, loop, **generate_kwargs):
+    """Run ``target.generate`` up to its decoding loop, then ``loop`` instead of its own; returns what
+    ``loop`` returned.
+
+    ``generate(custom_generate=<callable>)`` (transformers >= 4.56, public) runs generate's own
+    argument resolution (generation_config merging, kwargs, the default length rule and its warnings,
+    special tokens, ``num_return_sequences`` expansion, the prompt to the streamer) and builds its
+    logits processors and stopping criteria, then calls the callable with
+    ``(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)``.
+    This is the one place that relies on that contract (tested on 4.57 and 5.x). On that path
+    generate drops ``tokenizer`` (see ``_stop_strings``); its result is ignored (4.57 post-processes it).
+    """
+    result = {}
+
+    def decoding(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                 **model_kwargs):
+        result["out"] = loop(input_ids, model_kwargs.get("attention_mask"), generation_config,
+                             logits_processor, stopping_criteria)
+        return input_ids
+
+    target.generate(input_ids, attention_mask=attention_mask, custom_generate=decoding, **generate_kwargs)
+    return result["out"]
 
 
 @torch.no_grad()  # not inference_mode: callers may feed the output to autograd (e.g. drafter training)
@@ -342,57 +746,84 @@ def spec_generate(
     draft,
     target,
     input_ids: torch.LongTensor,
-    max_new_tokens: Optional[int] = None,
+    max_new_tokens=NOT_PASSED,
     stop_token_ids=None,
-    temperature: Optional[float] = None,
+    temperature=NOT_PASSED,
     *,
-    do_sample: Optional[bool] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    min_p: Optional[float] = None,
+    do_sample=NOT_PASSED,
+    top_k=NOT_PASSED,
+    top_p=NOT_PASSED,
+    min_p=NOT_PASSED,
     sample_draft: bool = True,
     block_size: Optional[int] = None,
     attention_mask: Optional[torch.Tensor] = None,
     generation_config: Optional[GenerationConfig] = None,
+    logits_processor: Optional[LogitsProcessorList] = None,
+    stopping_criteria: Optional[StoppingCriteriaList] = None,
+    prefix_allowed_tokens_fn=None,
+    tokenizer=None,
     generator: Optional[torch.Generator] = None,
     streamer=None,
-    return_dict_in_generate: Optional[bool] = None,
+    return_dict_in_generate=NOT_PASSED,
+    output_scores=NOT_PASSED,
+    output_logits=NOT_PASSED,
     output_timings: bool = False,
     mask_token_id: Optional[int] = None,
+    **kwargs,
 ):
     """Generate with ``target``, drafting blocks with ``draft``; the output is the target's own.
+
+    Takes ``generate``'s arguments and decides what ``generate`` decides: ``target.generate`` itself
+    resolves them (``generation_config`` merged with the target's, keyword arguments over it, the
+    default length of 20 new tokens and its warnings) and builds its own logits processors and
+    stopping criteria, which this loop applies to target AND draft logits, at every block slot with
+    that slot's own prefix. Greedy (``do_sample=False`` in the merged config) equals
+    ``target.generate(do_sample=False)`` token for token in fp32; sampling is exact speculative
+    sampling (``speculative_verify``) on the processed distributions, so the output has the target's
+    distribution under the same processors.
 
     Args:
         draft: a ``DFlashDraftModel``.
         target: the causal LM the draft was trained for (any device/dtype; features are cast).
-        input_ids: ``(B, prompt_len)`` LongTensor; rows of different lengths are LEFT padded and
-            described by ``attention_mask`` (1 = real token).
-        max_new_tokens: upper bound on new tokens per row; None -> ``generation_config``.
-        stop_token_ids: int or list; None -> ``generation_config.eos_token_id``; ``[]`` -> none.
-            A row ends right after its first stop token, even inside an accepted block.
-        temperature, do_sample, top_k, top_p, min_p: as in ``generate`` (None -> the target's
-            ``generation_config``, then generate's defaults such as ``top_k=50``), applied with
-            transformers' own logits warpers to target and draft logits alike. Temperature 0 or
-            ``do_sample=False`` is greedy and equals ``target.generate(do_sample=False)`` token for
-            token in fp32. Sampling is exact speculative sampling (``speculative_verify``).
+        input_ids: ``(B, prompt_len)`` integer tensor (any integer dtype); rows of different lengths are
+            LEFT padded and described by ``attention_mask`` (1 = real token).
+        max_new_tokens, temperature, do_sample, top_k, top_p, min_p, return_dict_in_generate,
+            output_scores, output_logits, and any other ``GenerationConfig`` field as a keyword: as in
+            ``generate``. Left out = "not passed" (the merged config decides); an explicit ``None`` means
+            None (``top_k=None`` disables top-k, ``max_new_tokens=None`` ignores the config's value).
+            ``temperature`` alone never switches sampling on. Extensions: ``temperature=0`` is greedy
+            even when the config says ``do_sample=True``; ``max_new_tokens=0`` returns the prompt.
+        stop_token_ids: int or list, used as ``eos_token_id``; None -> the merged config's eos; ``[]``
+            -> none. A row ends right after its first stop token, even inside an accepted block.
         sample_draft: under sampling, draw draft tokens from the draft's processed distribution q
-            (default) rather than taking its argmax. Default because acceptance is then
-            ``sum_x min(p, q)``, which tends to 1 as the draft matches the target, while a one-hot
-            draft is accepted with ``p(argmax q) <= max p``: at temperature 1 that is often well
-            below 1. Both are exact.
-        block_size: per-call block size in ``[1, draft.config.block_size]``.
+            (default) rather than taking its argmax. Acceptance is then ``sum_x min(p, q)``, which
+            tends to 1 as the draft matches the target; a one-hot draft is accepted with
+            ``p(argmax q) <= max p``. Both are exact.
+        block_size: per-call block size, an integer in ``[1, draft.config.block_size]``.
+        attention_mask: ``(B, prompt_len)`` 0/1, left padding only.
+        generation_config: a ``GenerationConfig`` merged with ``target.generation_config`` as generate does.
+        logits_processor: extra processors, as in generate. They and ``prefix_allowed_tokens_fn`` must
+            be pure functions of ``(input_ids, scores)``: they are also called on drafted prefixes that
+            are later rejected, and with a ``(B, L)`` batch in which only some rows are real.
+        stopping_criteria: extra criteria, as in generate, called once per committed token in order
+            with that row's ``(1, L)`` prefix and ``scores=None``; a row stops right after the first
+            token at which one fires.
+        tokenizer: needed for ``stop_strings``, as in generate.
         generator: ``torch.Generator`` (on the target's device) for reproducible sampling.
         streamer: a transformers ``BaseStreamer`` (batch size 1): gets the prompt once, then each
-            committed chunk, never a token past a stop token or ``max_new_tokens``.
-        return_dict_in_generate: return a [`DFlashGenerateOutput`] instead of the tensor.
+            committed chunk, never a token past a stop.
         output_timings: add device-synchronised wall-clock timings (seconds) to the output.
         mask_token_id: override of ``draft.config.mask_token_id``.
 
+    ``max_time`` is checked once per verify step, after the commit: the call returns within
+    ``max_time`` plus one step, and the output is a prefix of the unlimited output.
+
     Returns:
-        ``(B, prompt_len + new_len)`` LongTensor: the prompt as given, then each row's new tokens,
-        right padded with the pad token (``generation_config.pad_token_id``, else the first eos,
-        else 0) up to the longest row. Cut by length, never by value: tokens equal to
-        ``mask_token_id`` are kept. Or a [`DFlashGenerateOutput`].
+        ``(B', prompt_len + new_len)`` LongTensor (``B' = B * num_return_sequences``): the prompt as
+        given, then each row's new tokens, right padded with the pad token (the merged config's
+        ``pad_token_id``, else the first eos, else 0) up to the longest row. Cut by length, never by
+        value: tokens equal to ``mask_token_id`` are kept. Or, with ``return_dict_in_generate``, a
+        [`DFlashGenerateOutput`] (a ``GenerateDecoderOnlyOutput`` with tau and per-slot acceptance).
 
     Batches: every row keeps its own true positions (``cumsum(attention_mask) - 1``) and accepts its
     own number of tokens per step. Rows share one KV cache per model; slots a row does not own
@@ -404,58 +835,110 @@ def spec_generate(
     take key positions from the mask and stay exact.
 
     Raises:
-        ValueError: bad input or a draft not built for this target, before any forward pass.
-        NotImplementedError: recurrent-state targets, sliding-window targets with batch > 1,
-            unsupported ``generation_config`` options.
+        TypeError: a keyword that is neither a ``GenerationConfig`` field nor an argument here.
+        ValueError: bad input (ids, mask, non-integer ``block_size``/``max_new_tokens``, sampling
+            values out of range) or a draft not built for this target, before any forward pass.
+        NotImplementedError: options that cannot be exact here (``REFUSED_KEYS``: beam search, DoLa,
+            contrastive search, guidance, other speculative methods, attentions/hidden states,
+            token healing), recurrent-state targets, sliding-window targets with batch > 1.
     """
     _check_is_causal_lm(target)
-    generation_config = generation_config if generation_config is not None else target.generation_config
-    _check_generation_config(generation_config)
-    prompt_mask = _prepare_inputs(input_ids, attention_mask, target.get_input_embeddings().weight.shape[0])
-    if max_new_tokens is None:
-        max_new_tokens = generation_config.max_new_tokens
-        if max_new_tokens is None:
-            max_new_tokens = max(_gen(generation_config, "max_length") - input_ids.shape[1], 0)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    vocab = target.get_input_embeddings().weight.shape[0]
+    input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask, vocab)
     trained = draft.config.block_size
     block_size = trained if block_size is None else block_size
-    if not 1 <= block_size <= trained:
-        raise ValueError(f"block_size must be in [1, {trained}] (the trained block size), got {block_size}")
+    _check_int("block_size", block_size, 1, trained)
     mask_token_id = draft.config.mask_token_id if mask_token_id is None else mask_token_id
-    vocab = target.get_input_embeddings().weight.shape[0]
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab:
         raise ValueError(f"mask_token_id={mask_token_id!r} must be an integer in [0, {vocab}) (the target vocabulary)")
-    sampling = _resolve_sampling(generation_config, temperature, do_sample, top_k, top_p, min_p, generator,
-                                 sample_draft)
-    stop_ids = _resolve_stop_ids(stop_token_ids, generation_config)
+    passed = dict(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, top_k=top_k,
+                  top_p=top_p, min_p=min_p, return_dict_in_generate=return_dict_in_generate,
+                  output_scores=output_scores, output_logits=output_logits)
+    gen_kwargs = _generate_kwargs(passed, kwargs, stop_token_ids, generation_config, target)
+    if generation_config is not None:
+        _check_refused(generation_config)
     check_pairing(draft, target)
     if input_ids.shape[0] > 1 and streamer is not None:
         raise ValueError(f"streamer supports batch size 1, got batch {input_ids.shape[0]}")
-    if input_ids.shape[0] > 1 and _has_sliding_layers(target):
+    criteria = StoppingCriteriaList(stopping_criteria or [])
+    stop_strings = _stop_strings(gen_kwargs, generation_config, target, tokenizer)
+    if stop_strings is not None:
+        criteria.append(stop_strings)
+
+    def loop(ids, mask, config, processors, stops):
+        return _spec_loop(draft, target, ids, mask, config, processors, stops, block_size=block_size,
+                          mask_token_id=mask_token_id, generator=generator, sample_draft=sample_draft,
+                          streamer=streamer, output_timings=output_timings)
+
+    if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
+        if streamer is not None:
+            streamer.put(input_ids[0].cpu())
+            streamer.end()
+        out = _empty_output(input_ids)
+        wants_dict = gen_kwargs.get("return_dict_in_generate")
+        if wants_dict is None:
+            wants_dict = (generation_config or target.generation_config).return_dict_in_generate
+        return out if wants_dict else out.sequences
+    return _through_generate(target, input_ids, prompt_mask, loop, generation_config=generation_config,
+                             logits_processor=logits_processor, stopping_criteria=criteria,
+                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, streamer=streamer, **gen_kwargs)
+
+
+def _empty_output(input_ids):
+    bsz = input_ids.shape[0]
+    return DFlashGenerateOutput(
+        sequences=input_ids, acceptance_lengths=[], row_acceptance_lengths=[[] for _ in range(bsz)],
+        row_draft_lengths=[[] for _ in range(bsz)], row_accepted_drafts=[[] for _ in range(bsz)],
+        num_new_tokens=[0] * bsz, num_draft_forwards=0, num_target_forwards=0)
+
+
+def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
+               generator, sample_draft, streamer, output_timings):
+    """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``."""
+    _check_refused(config)
+    bsz = input_ids.shape[0]
+    if bsz > 1 and streamer is not None:
+        raise ValueError(f"streamer supports batch size 1, got batch {bsz}")
+    if bsz > 1 and _has_sliding_layers(target):
         raise NotImplementedError(
             "batched spec_generate with a sliding-window target is not exact (cache holes shift its window); "
             "run the prompts one at a time"
         )
-    if return_dict_in_generate is None:
-        return_dict_in_generate = bool(getattr(generation_config, "return_dict_in_generate", False))
-    pad = generation_config.pad_token_id
-    if pad is None:
-        pad = stop_ids[0] if stop_ids else 0
-
     device = target.get_input_embeddings().weight.device
-    input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
-    if streamer is not None:
-        streamer.put(input_ids[0].cpu())
-    out = DFlashGenerateOutput(sequences=input_ids, acceptance_lengths=[], row_acceptance_lengths=[[] for _ in input_ids],
-                               num_new_tokens=[0] * input_ids.shape[0], num_draft_forwards=0, num_target_forwards=0)
-    if max_new_tokens > 0:
-        with capture_target_features(target, draft.config.target_layer_ids) as features:
-            _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, mask_token_id,
-                    sampling, stop_ids, features, streamer, output_timings, pad, out)
+    input_ids = input_ids.to(device)
+    mask = torch.ones_like(input_ids) if mask is None else mask.to(device=device, dtype=torch.long)
+    stops = _Stops(criteria, input_ids.shape[1])
+    want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
+    return_dict = bool(config.return_dict_in_generate)
+    sampling = _Sampling(processors if processors is not None else LogitsProcessorList(), bool(config.do_sample),
+                         generator, sample_draft, want_scores=return_dict and (want_scores or want_logits))
+    history = None
+    if sampling.needs_prefix or stops.others:
+        history = _History(input_ids, stops.budget, block_size)
+        sampling.history = history
+    pad = config.pad_token_id
+    if pad is None:
+        pad = (_eos_list(config) or [0])[0]
+    out = _empty_output(input_ids)
+    run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
+               recorder=_Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None)
+    with capture_target_features(target, draft.config.target_layer_ids) as features:
+        _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings, run)
+    _assemble(out, input_ids, run, pad)
     if streamer is not None:
         streamer.end()
-    return out if return_dict_in_generate else out.sequences
+    return out if return_dict else out.sequences
+
+
+def _eos_list(config) -> list:
+    eos = config.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else [int(t) for t in (eos.tolist() if torch.is_tensor(eos) else eos)]
+
+
+
+# ----------------------------------------------------------------------------- the decode loop
 
 
 def _sync(device):
@@ -536,22 +1019,46 @@ class _Rows:
         self.ctx = ctx if self.ctx is None else self.ctx.cat(ctx)
 
 
-def _commit(rows, committed, new, max_new_tokens, stop_ids, chunks, out, streamer):
-    """Append each row's accepted tokens, cut at its first stop token and at ``max_new_tokens``
-    (by length, never by value). Returns ``(A,)`` bool: the row is done."""
+def _commit(run, rows, accepted, drafted, new, scores, logits):
+    """Append each row's tokens (accepted drafts + the next token, ``new`` ``(A, n + 1)``), cut at the
+    row's budget (by length, never by value) and right after its first stopping token; record the
+    statistics of the step. Returns ``(A,)`` bool: the row is done."""
     done = torch.zeros(len(rows.ids), dtype=torch.bool, device=rows.ids.device)
-    budget = (max_new_tokens - rows.n_new).tolist()
-    for i, (r, a, row_new) in enumerate(zip(rows.ids.tolist(), committed.tolist(), new.tolist())):
-        take = row_new[: min(a, budget[i])]
-        hit = next((j for j, t in enumerate(take) if t in stop_ids), None)
-        if hit is not None:
-            take = take[: hit + 1]
-        chunks[r].append(take)
-        out.row_acceptance_lengths[r].append(a)
-        done[i] = hit is not None or len(take) >= budget[i]
-        if streamer is not None:
-            streamer.put(torch.tensor(take))
+    remaining = (run.stops.budget - rows.n_new).tolist()
+    n_new = rows.n_new.tolist()
+    for i, (r, a, row_new) in enumerate(zip(rows.ids.tolist(), accepted.tolist(), new.tolist())):
+        take = row_new[: min(a + 1, remaining[i])]
+        start = n_new[i] + (run.history.prompt_len if run.history is not None else 0)
+        if run.history is not None:
+            run.history.write(r, start, take)
+        take, stopped = run.stops.cut(take, run.history, r, start)
+        run.chunks[r].append(take)
+        run.out.row_acceptance_lengths[r].append(len(take))
+        run.out.row_draft_lengths[r].append(min(drafted, remaining[i]))
+        run.out.row_accepted_drafts[r].append(min(a, remaining[i]))
+        if run.recorder is not None:
+            run.recorder.add(r, len(take), None if scores is None else scores[i], logits[i])
+        done[i] = stopped or len(take) >= remaining[i]
+        if run.streamer is not None:
+            run.streamer.put(torch.tensor(take))
     return done
+
+
+def _prefill_commit(run, first, scores, logits):
+    """The prefill token of every row: history, stops, statistics-free. Returns ``(B,)`` bool done."""
+    done = []
+    for r, token in enumerate(first.tolist()):
+        start = run.history.prompt_len if run.history is not None else 0
+        if run.history is not None:
+            run.history.write(r, start, [token])
+        take, stopped = run.stops.cut([token], run.history, r, start)
+        run.chunks[r].append(take)
+        if run.recorder is not None:
+            run.recorder.add(r, 1, scores[r: r + 1], logits[r: r + 1])
+        done.append(stopped or run.stops.budget <= 1)
+    if run.streamer is not None:
+        run.streamer.put(first.cpu())
+    return torch.tensor(done, device=first.device)
 
 
 def _forward_target(target, cache_kw, cache, tokens, positions, valid):
@@ -561,15 +1068,14 @@ def _forward_target(target, cache_kw, cache, tokens, positions, valid):
                   **{cache_kw: cache}).logits
 
 
-def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, mask_token_id, sampling,
-            stop_ids, features, streamer, output_timings, pad, out):
-    """The speculative loop; fills ``out`` in place."""
-    device, bsz = input_ids.device, input_ids.shape[0]
+def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
+            run):
+    """The speculative loop; fills ``run.out`` / ``run.chunks`` in place."""
+    device, bsz, out = input_ids.device, input_ids.shape[0], run.out
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     cache_kw = _cache_kwarg(target)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
-    stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    chunks = [[] for _ in range(bsz)]
+    budget = run.stops.budget
     t0 = _sync(device) if output_timings else None
 
     # Prefill: each row's first token becomes its first anchor.
@@ -578,17 +1084,13 @@ def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, m
     logits = target(input_ids=input_ids, position_ids=positions, use_cache=True, **extra,
                     attention_mask=None if bool(prompt_mask.all()) else prompt_mask,
                     **{cache_kw: target_cache}).logits
-    first = sampling.first(logits[:, -1])
+    first, scores = sampling.first(logits[:, -1], input_ids)
     out.num_target_forwards, out.num_draft_forwards = 1, 0
     rows = _Rows(ids=torch.arange(bsz, device=device), anchor=first[:, None], start=prompt_mask.sum(1),
                  n_new=torch.ones(bsz, dtype=torch.long, device=device), target_valid=prompt_mask,
                  draft_valid=None, ctx=_Context(features(), positions, prompt_mask))
-    for r, token in enumerate(first.tolist()):
-        chunks[r].append([token])
-    if streamer is not None:
-        streamer.put(first.cpu())
+    finished = _prefill_commit(run, first, scores, logits[:, -1])
     t1 = _sync(device) if output_timings else None
-    finished = torch.isin(first, stop) | (rows.n_new >= max_new_tokens)
 
     while True:
         if bool(finished.any()):  # drop finished rows from every forward pass
@@ -598,22 +1100,24 @@ def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, m
             for cache in (target_cache, draft_cache):
                 cache.batch_select_indices(keep)
             rows.select(keep)
-        b = min(block_size, int((max_new_tokens - rows.n_new).max()))
+        b = min(block_size, int((budget - rows.n_new).max()))
         block, q = rows.anchor, None
         if b > 1:
             logits = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
                                    rows.start, b, mask_token_id)
-            drafts, q = sampling.propose(logits)
+            drafts, q = sampling.propose(logits, rows)
             block = torch.cat([rows.anchor, drafts.to(device)], dim=1)  # (A, b)
             rows.context_drafted(draft_cache.get_seq_length())
             out.num_draft_forwards += 1
         positions = rows.start[:, None] + torch.arange(b, device=device)
         logits = _forward_target(target, cache_kw, target_cache, block, positions, rows.target_valid)
         out.num_target_forwards += 1
-        accepted, next_token = sampling.verify(block[:, 1:], q, logits)
+        accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
         committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor
         new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
-        finished = _commit(rows, committed, new, max_new_tokens, stop_ids, chunks, out, streamer)
+        finished = _commit(run, rows, accepted, b - 1, new, scores, logits)
+        if run.stops.timed_out():  # max_time: once per verify step, after the commit
+            finished = torch.ones_like(finished)
 
         # Roll back: keep the committed slots; rejected ones become holes (masked) for shorter rows.
         width = int(committed.max())
@@ -624,16 +1128,15 @@ def _decode(draft, target, input_ids, prompt_mask, max_new_tokens, block_size, m
         rows.add_context(_Context(features()[:, :width], positions[:, :width], owned))
         rows.start, rows.n_new, rows.anchor = rows.start + committed, rows.n_new + committed, next_token[:, None]
 
-    _assemble(out, input_ids, chunks, pad)
     if output_timings:
         t2 = _sync(device)
-        out.timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0,
-                       "new_tokens": sum(out.num_new_tokens)}
+        out["timings"] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0,
+                       "new_tokens": sum(len(sum(c, [])) for c in run.chunks)}
 
 
-def _assemble(out, input_ids, chunks, pad):
-    """``sequences`` = prompt as given + each row's new tokens, right padded with ``pad``."""
-    rows = [sum(row, []) for row in chunks]
+def _assemble(out, input_ids, run, pad):
+    """``sequences`` = prompt as given + each row's new tokens, right padded with ``pad``; scores/logits."""
+    rows = [sum(row, []) for row in run.chunks]
     width = max(len(r) for r in rows)
     new = input_ids.new_full((len(rows), width), pad)
     for i, r in enumerate(rows):
@@ -641,9 +1144,12 @@ def _assemble(out, input_ids, chunks, pad):
     out.sequences = torch.cat([input_ids, new], dim=1)
     out.num_new_tokens = [len(r) for r in rows]
     out.acceptance_lengths = [a for row in out.row_acceptance_lengths for a in row]
+    if run.recorder is not None:
+        for name, value in run.recorder.tuples(width).items():
+            out[name] = value  # ModelOutput: item and attribute
 
 
 __all__ = [
     "spec_generate", "speculative_verify", "capture_target_features", "check_pairing", "crop_cache",
-    "DFlashGenerateOutput",
+    "DFlashGenerateOutput", "NOT_PASSED", "APPLIED_KEYS", "REFUSED_KEYS", "NO_EFFECT_KEYS",
 ]

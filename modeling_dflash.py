@@ -8,6 +8,7 @@ the block. See ``shared/docs/dflash-notes.md`` sections 1-2. State-dict names eq
 z-lab / SpecForge checkpoints, so they load strictly with no renaming.
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -394,12 +395,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             masks = [None] * len(masks)
         return masks
 
-    def spec_generate(self, target, input_ids, max_new_tokens=None, stop_token_ids=None, temperature=None, **kwargs):
-        """Lossless speculative decoding of ``target`` with this draft; see ``generation_utils.spec_generate``."""
-        return _spec_generate(
-            self, target, input_ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-            temperature=temperature, **kwargs,
-        )
+    @functools.wraps(_spec_generate)  # help() shows the full signature (less ``draft``) and docstring
+    def spec_generate(self, *args, **kwargs):
+        return _spec_generate(self, *args, **kwargs)
 
 
 DFlashConfig.register_for_auto_class()
