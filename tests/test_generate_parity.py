@@ -52,7 +52,7 @@ def oracle(monkeypatch):
             for s, a in zip(start.tolist(), anchor[:, 0].tolist()):
                 r = next((r for r in range(len(ref)) if pads[r] + s < ref.shape[1] and ref[r, pads[r] + s] == a), 0)
                 seq = torch.cat([ref[r, pads[r] + s + 1:], torch.zeros(b, dtype=torch.long)])[: b - 1].clone()
-                right = script[len(steps) % len(script)]
+                right = script(len(steps), r) if callable(script) else script[len(steps) % len(script)]
                 seq[right:] = (seq[right:] + 1) % VOCAB
                 logits.append(torch.nn.functional.one_hot(seq, VOCAB).float() * 30)
             steps.append(start.tolist())
@@ -105,7 +105,7 @@ CASES = _parity_cases()
 SCRIPTS = {"full": [5], "partly": [1, 3, 0, 2], "never": [0]}
 
 
-def _check_parity(oracle, prompts, case, script, max_new_tokens=24):
+def _check_parity(oracle, prompts, case, script, max_new_tokens=20):
     ids, mask = _left_pad(prompts)
     kwargs = dict(CASES[case])
     ref = _generate(ids, mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, **kwargs)
@@ -116,8 +116,13 @@ def _check_parity(oracle, prompts, case, script, max_new_tokens=24):
     assert torch.equal(out, ref), (case, script, out[:, ids.shape[1]:].tolist(), ref[:, ids.shape[1]:].tolist())
 
 
-@pytest.mark.parametrize("script", list(SCRIPTS))
-@pytest.mark.parametrize("case", list(CASES))
+# every case with drafts partly accepted; the prefix-heavy ones also fully and never accepted
+BATCH_1 = [(case, "partly") for case in CASES] + [
+    (case, script) for case in ("plain", "repetition_penalty_1.3", "no_repeat_ngram_3", "min_new_tokens_eos_early",
+                                "combined") for script in ("full", "never")]
+
+
+@pytest.mark.parametrize("case, script", BATCH_1)
 def test_greedy_parity_batch_1(oracle, case, script):
     _check_parity(oracle, PROMPTS[:1], case, script)
 
@@ -178,16 +183,23 @@ def test_generation_config_is_merged_with_the_targets_like_generate():
     target.generation_config.do_sample = True  # a checkpoint that samples by default: so does the merge
     runs = {DRAFT.spec_generate(target, ids, generation_config=cfg, stop_token_ids=[], temperature=1.5,
                                 generator=torch.Generator().manual_seed(s))[0, -20:].tolist().__repr__()
-            for s in range(4)}
+            for s in range(3)}
     assert len(runs) > 1
 
 
-def test_default_length_is_20_new_tokens_like_generate(caplog):
+def test_default_length_is_20_new_tokens_like_generate():
+    import warnings
+
     ids = torch.randint(0, 96, (1, 25), generator=torch.Generator().manual_seed(3))
     target = tiny_target(peaked=True)
-    ref = target.generate(ids, attention_mask=torch.ones_like(ids))
-    out = DRAFT.spec_generate(target, ids)
+    with warnings.catch_warnings(record=True) as theirs:
+        warnings.simplefilter("always")
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids))
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        out = DRAFT.spec_generate(target, ids)
     assert torch.equal(out, ref) and out.shape[1] == 45
+    assert [str(w.message) for w in ours] == [str(w.message) for w in theirs]  # generate's own warnings
 
 
 def test_explicit_none_means_none():
@@ -198,8 +210,8 @@ def test_explicit_none_means_none():
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=None)
     out = DRAFT.spec_generate(target, ids, max_new_tokens=None)
     assert torch.equal(out, ref) and out.shape[1] == ids.shape[1] + 20
-    flat = tiny_target()  # near-uniform logits: at temperature 3 every token appears in 3000 draws
-    batch = PROMPTS[0].repeat(3000, 1)
+    flat = tiny_target()  # near-uniform logits: at temperature 3 nearly every token appears in 1500 draws
+    batch = PROMPTS[0].repeat(1500, 1)
     kw = dict(max_new_tokens=1, do_sample=True, temperature=3.0, generator=torch.Generator().manual_seed(0))
     assert len(set(DRAFT.spec_generate(flat, batch, **kw)[:, -1].tolist())) <= 50  # generate's default top_k
     assert len(set(DRAFT.spec_generate(flat, batch, top_k=None, **kw)[:, -1].tolist())) > 90
@@ -217,11 +229,11 @@ def test_temperature_alone_does_not_sample_and_temperature_0_is_greedy():
 def test_max_time_returns_a_prefix_within_one_step():
     target = tiny_target(peaked=True)
     ids = PROMPTS[1]
-    full = DRAFT.spec_generate(target, ids, max_new_tokens=200, stop_token_ids=[])
+    full = DRAFT.spec_generate(target, ids, max_new_tokens=60, stop_token_ids=[])
     handle = target.register_forward_pre_hook(lambda *a: time.sleep(0.03))
     try:
         t0 = time.perf_counter()
-        out = DRAFT.spec_generate(target, ids, max_new_tokens=200, stop_token_ids=[], max_time=0.15)
+        out = DRAFT.spec_generate(target, ids, max_new_tokens=60, stop_token_ids=[], max_time=0.15)
         elapsed = time.perf_counter() - t0
     finally:
         handle.remove()
