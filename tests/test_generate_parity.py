@@ -89,7 +89,7 @@ def _parity_cases():
         "begin_suppress_tokens": dict(begin_suppress_tokens=[ref[0]]),
         "sequence_bias": dict(sequence_bias={(ref[3],): -20.0, (ref[0], ref[1]): 5.0}),
         "prefix_allowed_tokens_fn": dict(
-            prefix_allowed_tokens_fn=lambda batch_id, ids: list(range(int(ids[-1]) % 2, VOCAB, 2))),
+            prefix_allowed_tokens_fn=lambda batch_id, ids: [t for t in range(VOCAB) if (t + int(ids[-1])) % 3]),
         "user_processor": dict(logits_processor=LogitsProcessorList([LastTokenBias()])),
         "exponential_decay_length_penalty": dict(exponential_decay_length_penalty=(4, 1.5), eos_token_id=early),
         "forced_eos": dict(forced_eos_token_id=often),

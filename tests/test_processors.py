@@ -107,7 +107,7 @@ def test_negative_control_typical_p_missing_on_the_target(monkeypatch):
         assert stat < crit
 
 
-@pytest.mark.parametrize("case", ["user_processor", "no_repeat_ngram_2"])
+@pytest.mark.parametrize("case", ["user_processor", "prefix_allowed_tokens_fn"])
 def test_planted_shifted_prefix_fails_greedy_parity(oracle, monkeypatch, case):
     _shifted_prefix(monkeypatch)
     with pytest.raises(AssertionError):
