@@ -18,7 +18,9 @@ from typing import Optional
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
+
+logger = logging.get_logger(__name__)
 
 # generation_config options that change which token is chosen and that spec_generate does not apply.
 _UNSUPPORTED = {
@@ -334,6 +336,20 @@ def _prepare_inputs(input_ids, attention_mask, vocab_size):
     return mask
 
 
+def _warn_unmasked_left_padding(input_ids, attention_mask, pad_token_id) -> None:
+    """Warn, as ``generate`` does, when rows start with the pad token but no ``attention_mask`` came:
+    the padding would then be read as prompt tokens (the output still equals ``target.generate`` on the
+    same unmasked input, but not what the caller meant)."""
+    if attention_mask is not None or pad_token_id is None or input_ids.shape[0] < 2:
+        return
+    rows = (input_ids[:, 0] == pad_token_id).nonzero().flatten().tolist()
+    if rows:
+        logger.warning(
+            f"rows {rows} of input_ids start with the pad token {pad_token_id} (left padding) but no attention_mask "
+            "was passed, so the padding is read as prompt tokens: pass the tokenizer's attention_mask"
+        )
+
+
 # ----------------------------------------------------------------------------- the decode loop
 
 
@@ -412,6 +428,7 @@ def spec_generate(
     generation_config = generation_config if generation_config is not None else target.generation_config
     _check_generation_config(generation_config)
     prompt_mask = _prepare_inputs(input_ids, attention_mask, target.get_input_embeddings().weight.shape[0])
+    _warn_unmasked_left_padding(input_ids, attention_mask, generation_config.pad_token_id)
     if max_new_tokens is None:
         max_new_tokens = generation_config.max_new_tokens
         if max_new_tokens is None:

@@ -132,6 +132,10 @@ class ConversionPlan:
         lines += [f"  note:     {note}" for note in self.notes]
         layout = "engine-only: no remote code, no auto_map" if self.engine_only else "remote code + auto_map"
         lines.append(f"  output:   {self.output} ({layout})")
+        if self.engine_only:
+            lines.append("  load:     AutoModel.from_pretrained would build a plain Qwen3Model from this folder (it has no "
+                         "remote code); in Python load it with DFlashDraftModel.from_pretrained(folder) "
+                         "(from dflash_hf.modeling_dflash import DFlashDraftModel, after pip install -e .)")
         lines.append(f"  files:    {', '.join(self.files)}")
         if self.checks:
             lines.append("  verified: " + "; ".join(self.checks))
