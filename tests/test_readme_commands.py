@@ -60,3 +60,20 @@ def test_offline_readme_commands_run_against_the_shipped_pair(tmp_path):
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, (command, proc.stdout[-2000:], proc.stderr[-3000:])
     card = (tmp_path / "runs" / "pair-drafter-card.md").read_text()
     assert "base_model: your-org/pair-target" in card and "vllm serve your-org/pair-target" in card
+
+
+def test_no_file_names_a_path_of_the_machine_it_was_written_on():
+    """Docs and code reference only files in the repository: no absolute machine paths, no notes file
+    that is not shipped (the kind of reference a new user cannot follow)."""
+    forbidden = re.compile(r"/work/|shared/docs|/home/\w+/|/Users/\w+/")
+    found = []
+    for path in REPO.rglob("*"):
+        parts = path.relative_to(REPO).parts
+        if path.suffix not in (".py", ".md", ".toml", ".json", ".txt", "") or not path.is_file():
+            continue
+        if parts[0] in (".git", "runs") or parts[0].startswith(".venv") or "__pycache__" in parts:
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if forbidden.search(line) and path.name != "test_readme_commands.py":
+                found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)

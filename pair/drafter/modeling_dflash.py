@@ -4,7 +4,7 @@ The draft is a small Qwen3-style decoder with no embedding and no LM head of its
 target's, frozen). Each call drafts a whole block ``[anchor, MASK, ..., MASK]`` in one forward pass.
 Target hidden states captured at ``config.target_layer_ids`` are fused by ``fc`` + ``hidden_norm``
 and injected as extra keys/values into every draft layer ("KV injection"); queries come only from
-the block. See ``shared/docs/dflash-notes.md`` sections 1-2. State-dict names equal the published
+the block (arXiv 2602.06036, method section). State-dict names equal the published
 z-lab / SpecForge checkpoints, so they load strictly with no renaming.
 """
 
