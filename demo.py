@@ -1,8 +1,12 @@
 """DFlash out of the box: the embedded pair (``pair/target`` + ``pair/drafter``) on held-out prompts.
 
-    python demo.py                 # ~1 minute on a 2-core CPU; CUDA is used when present
-    python demo.py --quick         # a few seconds (CI)
+    python demo.py                 # 8 prompts x 128 tokens; CUDA is used when present
+    python demo.py --quick         # 2 prompts x 32 tokens: a smoke run, too short for speed figures
     python demo.py --json acceptance.json
+
+It runs in float32 on 1 CPU thread unless told otherwise (``--dtype``, ``--threads``) and says why
+in its first lines: the pair is tiny (3 M parameters), so extra threads only add synchronisation and
+CPU bfloat16 matmuls are slower than float32 at this size.
 
 Loads the drafter through ``AutoModel.from_pretrained(..., trust_remote_code=True)`` and the target
 through ``AutoModelForCausalLM`` / ``AutoTokenizer``, continues real held-out prompts
@@ -19,9 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from convert.cli import CommandError, add_debug_flag, quiet_loading, run_command
 
 ROOT = Path(__file__).resolve().parent
+QUICK_NOTE = ("--quick runs 2 prompts x 32 tokens: the fixed cost of each call (the draft's first block, "
+              "the target's prefill) is not amortised over so few tokens, so its speedup (often below 1x) "
+              "says nothing; run without --quick for the figures")
 
 
 def parse_args(argv=None):
@@ -35,18 +42,23 @@ def parse_args(argv=None):
     ap.add_argument("--target", default=str(ROOT / "pair" / "target"))
     ap.add_argument("--draft", default=str(ROOT / "pair" / "drafter"))
     ap.add_argument("--prompts", default=str(ROOT / "pair" / "heldout_prompts.json"))
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default 1: these small models run fastest on one thread; 0 = torch default)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights and compute dtype (default float32: on CPU, bfloat16 is slower for models this small)")
     ap.add_argument("--quiet", action="store_true", help="do not print the generated code")
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.num_prompts, args.max_new_tokens = 2, 32
     return args
 
 
-def sync(device: torch.device) -> float:
+def sync(device) -> float:
     """``time.perf_counter()`` after the device finished its queued work."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
@@ -59,14 +71,39 @@ def display_path(path: str) -> str:
         return str(path)
 
 
-def load_pair(target_path: str, draft_path: str, device: torch.device):
-    """(draft, target, tokenizer), fp32, eval mode, on ``device``."""
+def load_pair(target_path: str, draft_path: str, device, dtype=None):
+    """(draft, target, tokenizer) in ``dtype`` (default float32), eval mode, on ``device``.
+
+    Raises:
+        CommandError: a folder is missing or is not a model folder (named), or its weights are unreadable.
+    """
+    import torch
+    from safetensors import SafetensorError
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(target_path)
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to(device).eval()
-    draft = AutoModel.from_pretrained(draft_path, trust_remote_code=True, dtype=torch.float32).to(device).eval()
+    dtype = dtype or torch.float32
+    for what, path in (("target", target_path), ("drafter", draft_path)):
+        if not Path(path, "config.json").is_file():
+            raise CommandError(f"--{'draft' if what == 'drafter' else what} {path}: no config.json there; pass a model folder")
+    try:
+        tok = AutoTokenizer.from_pretrained(target_path)
+        target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+        draft = AutoModel.from_pretrained(draft_path, trust_remote_code=True, dtype=dtype).to(device).eval()
+    except SafetensorError as err:
+        raise CommandError(f"unreadable safetensors weights in {target_path} or {draft_path} ({err}): "
+                           "restore the folder (git checkout pair/)") from err
     return draft, target, tok
+
+
+def explain_settings(device, dtype_name: str, threads: int, explicit_threads: bool) -> str:
+    """The line saying which device, dtype and threads the demo uses, and why."""
+    why_threads = ("as asked (--threads)" if explicit_threads else
+                   "the default: a model this small runs fastest on one thread, more only add synchronisation")
+    why_dtype = ("float32, the default: CPU bfloat16 matmuls are slower at this size; --dtype bfloat16 to compare"
+                 if dtype_name == "float32" else "bfloat16, as asked (--dtype)")
+    if device.type != "cpu":
+        return f"device {device}, {dtype_name}"
+    return f"device cpu, {why_dtype}; {threads} thread(s), {why_threads}"
 
 
 def per_position_acceptance(acceptance_lengths: list[int], block_size: int) -> list[float]:
@@ -80,17 +117,26 @@ def per_position_acceptance(acceptance_lengths: list[int], block_size: int) -> l
 
 def run(args) -> int:
     """The demo; returns the exit status (0 = every output equals the target's)."""
+    import torch
+
+    if not Path(args.prompts).is_file():
+        raise CommandError(f"--prompts {args.prompts}: no such file; pass a JSON list of {{'path', 'name', 'prompt'}}")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = 1 if args.threads is None else args.threads
+    if threads:
+        torch.set_num_threads(threads)
+    quiet_loading()
+    print(explain_settings(device, args.dtype, torch.get_num_threads(), args.threads is not None))
+    if args.quick:
+        print(QUICK_NOTE)
     t_load = time.perf_counter()
-    draft, target, tok = load_pair(args.target, args.draft, device)
+    draft, target, tok = load_pair(args.target, args.draft, device, getattr(torch, args.dtype))
     block = args.block_size or draft.config.block_size
     prompts = json.loads(Path(args.prompts).read_text())[: args.num_prompts]
     n_params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     print(f"target {display_path(args.target)}: {n_params(target) / 1e6:.2f} M params | drafter {display_path(args.draft)}: "
           f"{n_params(draft) / 1e6:.2f} M params, {draft.config.num_hidden_layers} layers, block {block}, "
-          f"target layers {draft.config.target_layer_ids} | {device}, float32, {torch.get_num_threads()} threads | "
+          f"target layers {draft.config.target_layer_ids} | {device}, {args.dtype}, {torch.get_num_threads()} threads | "
           f"loaded in {time.perf_counter() - t_load:.1f}s")
     encoded = [tok(p["prompt"], return_tensors="pt", add_special_tokens=False)["input_ids"].to(device) for p in prompts]
     gen_kwargs = dict(do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=target.generation_config.eos_token_id)
@@ -137,11 +183,12 @@ def run(args) -> int:
     shares = per_position_acceptance(steps, block)
     print("per-position acceptance (share of steps whose draft at slot k was accepted):")
     print("  " + "  ".join(f"k{k}:{s:.2f}" for k, s in enumerate(shares, start=1)))
-    print(f"target alone: {tps_ref:.1f} tok/s | DFlash: {tps_spec:.1f} tok/s | speedup {speedup:.2f}x")
+    print(f"target alone: {tps_ref:.1f} tok/s | DFlash: {tps_spec:.1f} tok/s | speedup {speedup:.2f}x"
+          + (" (--quick: not a speed figure, see above)" if args.quick else ""))
     if args.json:
         record = {
             "schema": "dflash-acceptance/v1", "target": display_path(args.target), "draft": display_path(args.draft),
-            "block_size": int(block), "dtype": "float32", "device": str(device),
+            "block_size": int(block), "dtype": args.dtype, "device": str(device),
             "datasets": [{"name": "stdlib-heldout-docstrings", "num_prompts": len(prompts),
                           "max_new_tokens": int(args.max_new_tokens), "temperature": 0.0, "tau": round(tau, 4),
                           "speedup": round(speedup, 4)}],
@@ -155,5 +202,11 @@ def run(args) -> int:
     return 0
 
 
+def main(argv=None) -> int:
+    """Command-line entry point: exit status 0 (identical outputs), 1 (a difference, or a refused input:
+    one line on stderr; ``--debug`` for the traceback)."""
+    return run_command(run, parse_args(argv))
+
+
 if __name__ == "__main__":
-    sys.exit(run(parse_args()))
+    sys.exit(main())

@@ -13,6 +13,6 @@ except ImportError:  # installed with `pip install .` (the flat Hub files live i
     from dflash_hf.generation_utils import capture_target_features, spec_generate
     from dflash_hf.modeling_dflash import DFlashDraftModel
 
-REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_utils.py")
+from .sources import REMOTE_CODE_FILES  # defined in the light module, so that `--help` needs no torch
 
 __all__ = ["DFlashConfig", "DFlashDraftModel", "REMOTE_CODE_FILES", "capture_target_features", "spec_generate"]

@@ -28,12 +28,52 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-import torch
+from .cli import add_debug_flag, quiet_loading, run_command
 
-from . import keymap, sources
-from ._project import REMOTE_CODE_FILES, DFlashConfig, DFlashDraftModel, capture_target_features, spec_generate
-from .engines import engine_commands
-from .errors import ConversionError
+# ----------------------------------------------------------------------------- command line (first, so that
+# `--help` and flag errors answer before torch and transformers are imported)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m convert.convert_checkpoint`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="python -m convert.convert_checkpoint",
+        description="Convert a published DFlash drafter (z-lab Hub repo, SpecForge export, this project's own "
+        "format; safetensors single or sharded) into a verified folder that loads with "
+        "AutoModel.from_pretrained(..., trust_remote_code=True) and with vLLM / SGLang.",
+    )
+    parser.add_argument("source", help="source folder, or Hub repo id such as z-lab/Qwen3-8B-DFlash-b16")
+    parser.add_argument("output", help="output folder; must not exist unless --overwrite")
+    parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of a repo-id source")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="accept pytorch_model*.bin pickles, read with torch.load(weights_only=True)")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="write no remote-code .py files and no auto_map (for engines that refuse unknown files)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output folder, once the new one is complete and verified")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check everything and print what would be written; write nothing (a Hub source is "
+                        "still downloaded to the Hugging Face cache to read its keys)")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip verification (reload, bit-equal tensors, equal outputs on random inputs)")
+    parser.add_argument("--verify-target", metavar="TARGET",
+                        help="target folder or repo id: also compare draft logits on its features and greedy spec_generate output")
+    parser.add_argument("--target-id", help="record the target's Hub repo id in the config (target_model_id)")
+    parser.add_argument("--target-revision", help="record the target's revision in the config (target_revision)")
+    parser.add_argument("--token", help="Hub token for a private source (default: HF_TOKEN or the cached login)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs (default 0)")
+    return add_debug_flag(parser)
+
+
+if __name__ == "__main__":  # answer --help and flag errors before the heavy imports below (torch, transformers)
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+
+from . import keymap, sources  # noqa: E402
+from ._project import REMOTE_CODE_FILES, DFlashConfig, DFlashDraftModel, capture_target_features, spec_generate  # noqa: E402
+from .engines import engine_commands, is_hub_id  # noqa: E402
+from .errors import ConversionError  # noqa: E402
 
 MAX_SHARD_SIZE = "5GB"
 _MAX_SHARD_BYTES = 5 * 10**9
@@ -92,6 +132,10 @@ class ConversionPlan:
         lines += [f"  note:     {note}" for note in self.notes]
         layout = "engine-only: no remote code, no auto_map" if self.engine_only else "remote code + auto_map"
         lines.append(f"  output:   {self.output} ({layout})")
+        if self.engine_only:
+            lines.append("  load:     AutoModel.from_pretrained would build a plain Qwen3Model from this folder (it has no "
+                         "remote code); in Python load it with DFlashDraftModel.from_pretrained(folder) "
+                         "(from dflash_hf.modeling_dflash import DFlashDraftModel, after pip install -e .)")
         lines.append(f"  files:    {', '.join(self.files)}")
         if self.checks:
             lines.append("  verified: " + "; ".join(self.checks))
@@ -335,12 +379,21 @@ def staged_output(output: str, overwrite: bool):
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=parent)
     try:
+        _normal_permissions(tmp)
         yield tmp
         _check_output(output, overwrite)
         _move_into_place(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _normal_permissions(folder: str) -> None:
+    """Give ``folder`` the mode of a folder made with ``mkdir`` (``0o777`` minus the umask), not
+    ``mkdtemp``'s owner-only ``0o700``: the renamed output is a normal folder others may read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
 
 
 def _move_into_place(tmp: str, output: str) -> None:
@@ -385,6 +438,10 @@ def plan_conversion(source: str, source_dir: str, output: str, allow_pickle=Fals
     nested = raw.get("dflash_config") or {}
     if "target_layer_ids" not in nested and "target_layer_ids" not in raw:
         plan.notes.append(f"no target_layer_ids in the source: legacy layer rule gave {config.target_layer_ids}, now stored explicitly")
+    target = config.target_model_id
+    if target is not None and not is_hub_id(target):
+        plan.notes.append(f"the target is recorded as {target!r}, which is not a Hub repo id: model cards and engine "
+                          "commands would point at it; pass --target-id ORG/NAME (push_to_hub refuses it otherwise)")
     if dialect == "z-lab":
         plan.notes.append(f"the source's own remote code ({raw['auto_map']['AutoModel']}) is not used; this project's code replaces it")
     return plan
@@ -449,53 +506,19 @@ def convert_checkpoint(
     return plan
 
 
-# ----------------------------------------------------------------------------- command line
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m convert.convert_checkpoint`` argument parser."""
-    parser = argparse.ArgumentParser(
-        prog="python -m convert.convert_checkpoint",
-        description="Convert a published DFlash drafter (z-lab Hub repo, SpecForge export, this project's own "
-        "format; safetensors single or sharded) into a verified folder that loads with "
-        "AutoModel.from_pretrained(..., trust_remote_code=True) and with vLLM / SGLang.",
-    )
-    parser.add_argument("source", help="source folder, or Hub repo id such as z-lab/Qwen3-8B-DFlash-b16")
-    parser.add_argument("output", help="output folder; must not exist unless --overwrite")
-    parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of a repo-id source")
-    parser.add_argument("--allow-pickle", action="store_true",
-                        help="accept pytorch_model*.bin pickles, read with torch.load(weights_only=True)")
-    parser.add_argument("--engine-only", action="store_true",
-                        help="write no remote-code .py files and no auto_map (for engines that refuse unknown files)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing output folder, once the new one is complete and verified")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="check everything and print what would be written; write nothing (a Hub source is "
-                        "still downloaded to the Hugging Face cache to read its keys)")
-    parser.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="skip verification (reload, bit-equal tensors, equal outputs on random inputs)")
-    parser.add_argument("--verify-target", metavar="TARGET",
-                        help="target folder or repo id: also compare draft logits on its features and greedy spec_generate output")
-    parser.add_argument("--target-id", help="record the target's Hub repo id in the config (target_model_id)")
-    parser.add_argument("--target-revision", help="record the target's revision in the config (target_revision)")
-    parser.add_argument("--token", help="Hub token for a private source (default: HF_TOKEN or the cached login)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs (default 0)")
-    return parser
-
-
 def main(argv=None) -> int:
-    """Command-line entry point; returns the exit status (0 ok, 1 refused or failed)."""
-    args = build_parser().parse_args(argv)
-    try:
-        plan = convert_checkpoint(
-            args.source, args.output, revision=args.revision, allow_pickle=args.allow_pickle,
-            engine_only=args.engine_only, overwrite=args.overwrite, dry_run=args.dry_run, verify=args.verify,
-            verify_target=args.verify_target, target_id=args.target_id, target_revision=args.target_revision,
-            token=args.token, seed=args.seed,
-        )
-    except (ConversionError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    """Command-line entry point; returns the exit status (0 ok, 1 refused or failed: one line on stderr)."""
+    return run_command(_run, build_parser().parse_args(argv))
+
+
+def _run(args) -> int:
+    quiet_loading()
+    plan = convert_checkpoint(
+        args.source, args.output, revision=args.revision, allow_pickle=args.allow_pickle,
+        engine_only=args.engine_only, overwrite=args.overwrite, dry_run=args.dry_run, verify=args.verify,
+        verify_target=args.verify_target, target_id=args.target_id, target_revision=args.target_revision,
+        token=args.token, seed=args.seed,
+    )
     print(plan.describe())
     return 0
 

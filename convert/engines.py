@@ -6,9 +6,20 @@ The same folder serves both engines: vLLM counts drafted tokens without the anch
 """
 
 import json
+import os
+import re
 import shlex
 
 TARGET_PLACEHOLDER = "<target-model>"
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_id(value) -> bool:
+    """Whether ``value`` reads as a Hub repo id ``org/name`` and is not an existing local path
+    (``pair/target`` from the repository root is a folder, not the Hub repo ``pair/target``)."""
+    return bool(value) and bool(_HUB_ID.match(str(value))) and not os.path.exists(value)
 
 
 def vllm_num_speculative_tokens(block_size: int) -> int:
@@ -47,4 +58,4 @@ def _quote(value: str) -> str:
     return value if value == TARGET_PLACEHOLDER else shlex.quote(value)
 
 
-__all__ = ["TARGET_PLACEHOLDER", "engine_commands", "vllm_num_speculative_tokens"]
+__all__ = ["TARGET_PLACEHOLDER", "engine_commands", "is_hub_id", "vllm_num_speculative_tokens"]

@@ -7,7 +7,9 @@ Uses ``huggingface_hub`` (``create_repo``, ``create_branch`` for a new ``--revis
 ``upload_folder``); the token comes from ``--token``, else ``HF_TOKEN``, else the cached
 ``huggingface-cli login``. When the folder has no ``README.md`` (or with ``--regenerate-card``) the
 card of ``model_cards/`` is rendered and written into the folder before the upload.
-``--dry-run`` checks the folder and lists exactly the files ``upload_folder`` would send.
+``--dry-run`` checks the folder, lists exactly the files ``upload_folder`` would send and prints the
+generated card (or writes it to ``--card-out``). A target recorded as a local path is refused unless
+``--target-id`` gives its Hub id.
 """
 
 import argparse
@@ -17,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import sources
-from ._project import REMOTE_CODE_FILES
+from .cli import add_debug_flag, quiet_loading, run_command
+from .engines import is_hub_id
 from .errors import ConversionError
+from .sources import REMOTE_CODE_FILES
 
 # Passed to upload_folder as ignore_patterns (it adds its own DEFAULT_IGNORE_PATTERNS: .git, .cache/huggingface).
 IGNORE_PATTERNS = ("__pycache__", "__pycache__/*", "*/__pycache__/*", "*.pyc", ".DS_Store", "*/.DS_Store", "_dflash_convert_tmp_*")
@@ -27,7 +31,8 @@ IGNORE_PATTERNS = ("__pycache__", "__pycache__/*", "*/__pycache__/*", "*.pyc", "
 @dataclass
 class PushPlan:
     """What [`push_to_hub`] sends: ``files`` are the folder-relative paths ``upload_folder`` uploads;
-    ``card`` is ``"existing"``, ``"generated"`` or ``"none"``; ``url`` is the commit or PR URL after a push."""
+    ``card`` is ``"existing"``, ``"generated"`` or ``"none"``; ``card_text`` is the generated card, exactly as
+    uploaded; ``url`` is the commit or PR URL after a push."""
 
     folder: str
     repo_id: str
@@ -38,6 +43,7 @@ class PushPlan:
     card: str = "none"
     files: list = field(default_factory=list)
     url: str = None
+    card_text: str = None
 
     def describe(self) -> str:
         """A human-readable summary, printed by the command line."""
@@ -89,6 +95,24 @@ def check_push_folder(folder: str, files: list) -> str:
     return dialect
 
 
+def check_target_id(folder: str, target_id=None) -> None:
+    """Refuse a card whose target is not a Hub repo id (the card's links, ``base_model`` and engine commands
+    would point at a path of the machine that trained it, e.g. the shipped ``pair/target``).
+
+    Raises:
+        ConversionError: ``target_id`` is given but is not ``org/name``, or it is not given and the
+            folder's config records a local path as ``target_model_id``.
+    """
+    if target_id is not None:
+        if not is_hub_id(target_id):
+            raise ConversionError(f"--target-id {target_id!r} is not a Hub repo id of the form 'org/name' (or it is a local path)")
+        return
+    recorded = sources.read_config(folder).get("target_model_id")
+    if recorded is not None and not is_hub_id(recorded):
+        raise ConversionError(f"{os.path.join(folder, 'config.json')} records the target as {recorded!r}, a local path, "
+                              "not a Hub repo id: pass --target-id ORG/NAME (the target's Hub id) for the model card")
+
+
 def push_to_hub(
     folder: str,
     repo_id: str,
@@ -126,24 +150,25 @@ def push_to_hub(
         The [`PushPlan`]; ``url`` is set after a real push.
 
     Raises:
-        ConversionError: the folder is not a pushable drafter (see [`check_push_folder`]).
-        ValueError: a card must be generated but no ``license`` was given.
+        ConversionError: the folder is not a pushable drafter (see [`check_push_folder`]), its target is
+            not a Hub id (see [`check_target_id`]), or a card must be generated but no ``license`` was given.
         AcceptanceError: an invalid acceptance record.
         huggingface_hub errors: from the Hub calls (authentication, permissions, network).
     """
     files = files_to_upload(folder)
     check_push_folder(folder, files)
+    check_target_id(folder, target_id)
     plan = PushPlan(folder=os.path.abspath(folder), repo_id=repo_id, revision=revision, create_pr=create_pr,
                     private=private, dry_run=dry_run, files=files)
     card_text = None
     if card and (regenerate_card or "README.md" not in files):
         if not license:
-            raise ValueError("a model card is generated for this upload: pass --license (license=...), e.g. mit or apache-2.0")
+            raise ConversionError("a model card is generated for this upload: pass --license (license=...), e.g. mit or apache-2.0")
         from model_cards.render import render_model_card
 
         card_text = str(render_model_card(folder, repo_id, license=license, target_id=target_id,
                                           target_revision=target_revision, acceptance=acceptance))
-        plan.card, plan.files = "generated", sorted(set(files) | {"README.md"})
+        plan.card, plan.card_text, plan.files = "generated", card_text, sorted(set(files) | {"README.md"})
     elif "README.md" in files:
         plan.card = "existing"
     if dry_run:
@@ -190,23 +215,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-id", help="target repo id for the card (default: target_model_id from the config)")
     parser.add_argument("--target-revision", help="target revision for the card (default: from the config)")
     parser.add_argument("--acceptance", help="acceptance.json (schema dflash-acceptance/v1) to show in the card")
-    return parser
+    parser.add_argument("--card-out", metavar="PATH",
+                        help="with --dry-run: write the generated card here instead of printing it")
+    return add_debug_flag(parser)
 
 
 def main(argv=None) -> int:
-    """Command-line entry point; returns the exit status (0 ok, 1 refused)."""
-    args = build_parser().parse_args(argv)
-    try:
-        plan = push_to_hub(
-            args.folder, args.repo_id, private=args.private, revision=args.revision, create_pr=args.create_pr,
-            token=args.token, commit_message=args.commit_message, dry_run=args.dry_run, card=args.card,
-            regenerate_card=args.regenerate_card, license=args.license, target_id=args.target_id,
-            target_revision=args.target_revision, acceptance=args.acceptance,
-        )
-    except ValueError as err:  # ConversionError and AcceptanceError included
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    """Command-line entry point; returns the exit status (0 ok, 1 refused: one line on stderr)."""
+    return run_command(_run, build_parser().parse_args(argv))
+
+
+def _run(args) -> int:
+    if args.card_out and not args.dry_run:
+        raise ConversionError("--card-out shows the card of a --dry-run; add --dry-run (a real push writes README.md into the folder)")
+    quiet_loading()
+    plan = push_to_hub(
+        args.folder, args.repo_id, private=args.private, revision=args.revision, create_pr=args.create_pr,
+        token=args.token, commit_message=args.commit_message, dry_run=args.dry_run, card=args.card,
+        regenerate_card=args.regenerate_card, license=args.license, target_id=args.target_id,
+        target_revision=args.target_revision, acceptance=args.acceptance,
+    )
     print(plan.describe())
+    if plan.dry_run and plan.card_text is not None:
+        if args.card_out:
+            Path(args.card_out).write_text(plan.card_text, encoding="utf-8")
+            print(f"wrote the card README.md would hold to {args.card_out}")
+        else:
+            print("\n----- README.md (generated model card), exactly as it would be uploaded -----")
+            print(plan.card_text, end="" if plan.card_text.endswith("\n") else "\n")
     return 0
 
 

@@ -19,14 +19,16 @@ with ``d2t``/``t2d`` maps), DFlash 2 (``DFlash2DraftModel``: convolutions and a 
 draft here does not have), and any config that is not a Qwen3-dialect DFlash draft.
 """
 
+import contextlib
 import json
 import os
 import re
 
-import torch
-
 from .errors import ConversionError
 
+# The project's remote-code files: what ``save_pretrained`` copies next to a drafter (the modeling file
+# and its relative imports) and what ``auto_map`` points into.
+REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_utils.py")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
@@ -47,8 +49,8 @@ def resolve_source(source: str, revision=None, allow_pickle: bool = False, token
     usual places (``HF_TOKEN``, the cached login).
 
     Raises:
-        ConversionError: ``source`` is neither an existing folder nor a Hub repo id, or a
-            ``revision`` is given for a local folder.
+        ConversionError: ``source`` is neither an existing folder nor a Hub repo id, a ``revision``
+            is given for a local folder, or the Hub cannot give the repo (unknown, gated, offline: named).
     """
     if os.path.isdir(source):
         if revision is not None:
@@ -58,8 +60,16 @@ def resolve_source(source: str, revision=None, allow_pickle: bool = False, token
         raise ConversionError(f"source {source!r} is neither a folder nor a Hub repo id of the form 'org/name'")
     import huggingface_hub
 
+    from .cli import hub_error_message
+
     patterns = list(_DOWNLOAD_PATTERNS) + (list(_PICKLE_PATTERNS) if allow_pickle else [])
-    return huggingface_hub.snapshot_download(repo_id=source, revision=revision, allow_patterns=patterns, token=token)
+    try:
+        return huggingface_hub.snapshot_download(repo_id=source, revision=revision, allow_patterns=patterns, token=token)
+    except Exception as err:
+        message = hub_error_message(err, source)
+        if message is None:
+            raise
+        raise ConversionError(message) from err
 
 
 def read_config(folder: str) -> dict:
@@ -180,10 +190,24 @@ def tensor_shapes(folder: str, fmt: str, paths: list) -> dict:
 
         per_file = {}
         for path in paths:
-            with safe_open(path, framework="pt") as f:
-                per_file[path] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            with _readable_safetensors(path):
+                with safe_open(path, framework="pt") as f:
+                    per_file[path] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         return _merge(folder, fmt, per_file)
     return {k: tuple(v.shape) for k, v in load_tensors(folder, fmt, paths).items()}
+
+
+@contextlib.contextmanager
+def _readable_safetensors(path: str):
+    """Turn safetensors' own error (``incomplete metadata``, ``header too large``: no file name) into a
+    ``ConversionError`` that names ``path``."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as err:
+        raise ConversionError(f"{path} is not a readable safetensors file ({err}): it is truncated or corrupt; "
+                              "download or save it again") from err
 
 
 def load_tensors(folder: str, fmt: str, paths: list) -> dict:
@@ -201,8 +225,11 @@ def load_tensors(folder: str, fmt: str, paths: list) -> dict:
         if fmt.startswith("safetensors"):
             from safetensors.torch import load_file
 
-            per_file[path] = load_file(path, device="cpu")
+            with _readable_safetensors(path):
+                per_file[path] = load_file(path, device="cpu")
         else:
+            import torch
+
             state = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
                 raise ConversionError(f"{path} does not hold a flat dict of tensors")
@@ -231,5 +258,5 @@ def _merge(folder: str, fmt: str, per_file: dict) -> dict:
 
 
 __all__ = [
-    "detect_dialect", "find_weight_files", "load_tensors", "read_config", "resolve_source", "tensor_shapes",
+    "REMOTE_CODE_FILES", "detect_dialect", "find_weight_files", "load_tensors", "read_config", "resolve_source", "tensor_shapes",
 ]

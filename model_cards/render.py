@@ -11,17 +11,14 @@ The card is ``dflash_card_template.md`` rendered by ``huggingface_hub.ModelCard.
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
-from huggingface_hub import ModelCard, ModelCardData
-
 from convert import sources
-from convert._project import REMOTE_CODE_FILES
-from convert.convert_checkpoint import translate_config
-from convert.engines import engine_commands
+from convert.cli import CommandError, add_debug_flag, run_command
+from convert.engines import engine_commands, is_hub_id
 from convert.errors import ConversionError
+from convert.sources import REMOTE_CODE_FILES
 
 TEMPLATE_PATH = Path(__file__).with_name("dflash_card_template.md")
 # The CI matrix of this project (.ci/run); the card states exactly these.
@@ -36,14 +33,13 @@ CITATION = (
     "  year={2026}\n"
     "}"
 )
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 _REQUIRED = {"schema": str, "target": str, "draft": str, "block_size": int, "dtype": str, "device": str, "datasets": list}
 _OPTIONAL = {"date": str, "transformers_version": str, "notes": str}
 _ROW_REQUIRED = {"name": str, "num_prompts": int, "max_new_tokens": int, "temperature": float, "tau": float, "speedup": float}
 
 
-class AcceptanceError(ValueError):
+class AcceptanceError(CommandError):
     """An ``acceptance.json`` that does not follow the ``dflash-acceptance/v1`` schema; the message names the field."""
 
 
@@ -115,23 +111,22 @@ def load_acceptance(path) -> dict:
     return validate_acceptance(data)
 
 
-def is_hub_id(value) -> bool:
-    """Whether ``value`` looks like a Hub repo id ``org/name`` and is not a local path."""
-    return bool(value) and bool(_HUB_ID.match(value)) and not os.path.exists(value)
-
-
-def card_metadata(target_id, license: str, remote_code: bool) -> ModelCardData:
+def card_metadata(target_id, license: str, remote_code: bool):
     """The YAML header of the card.
 
     The target goes into ``base_model`` with ``base_model_relation: adapter`` when it is a Hub repo id
     (see model_cards/README.md for why); local target paths are left out of the metadata.
     """
+    from huggingface_hub import ModelCardData
+
     tags = list(TAGS) + (["custom_code"] if remote_code else [])
     extra = {"base_model": target_id, "base_model_relation": "adapter"} if is_hub_id(target_id) else {}
     return ModelCardData(license=license, library_name="transformers", pipeline_tag="text-generation", tags=tags, **extra)
 
 
 def _read_folder(folder: str):
+    from convert.convert_checkpoint import translate_config
+
     raw = sources.read_config(folder)
     dialect = sources.detect_dialect(raw)
     if dialect not in ("dflash-hf", "specforge"):
@@ -151,8 +146,8 @@ def render_model_card(
     target_revision=None,
     acceptance=None,
     transformers_versions=TESTED_TRANSFORMERS_VERSIONS,
-) -> ModelCard:
-    """The model card of the drafter in ``folder``, to be published as ``repo_id``.
+):
+    """The model card (a ``huggingface_hub.ModelCard``) of the drafter in ``folder``, to be published as ``repo_id``.
 
     Args:
         folder: a drafter folder in this project's format (or its engine-only layout).
@@ -165,10 +160,10 @@ def render_model_card(
     Raises:
         ConversionError: the folder is not a drafter in this project's format or its engine-only layout.
         AcceptanceError: the acceptance record breaks the schema or its block size exceeds the draft's.
-        ValueError: empty ``license`` or ``repo_id``.
+        CommandError (a ValueError): empty ``license`` or ``repo_id``.
     """
     if not license or not repo_id:
-        raise ValueError(f"license and repo_id are required, got license={license!r}, repo_id={repo_id!r}")
+        raise CommandError(f"license and repo_id are required, got license={license!r}, repo_id={repo_id!r}")
     config, remote_code, dtype = _read_folder(folder)
     target_id = target_id or config.target_model_id
     target_revision = target_revision or config.target_revision
@@ -182,6 +177,8 @@ def render_model_card(
     layer_summary = ", ".join(f"{t} x{config.layer_types.count(t)}" for t in dict.fromkeys(config.layer_types))
     if config.sliding_window and "sliding_attention" in config.layer_types:
         layer_summary += f", window {config.sliding_window}"
+    from huggingface_hub import ModelCard
+
     return ModelCard.from_template(
         card_metadata(target_id, license, remote_code),
         template_path=str(TEMPLATE_PATH),
@@ -219,18 +216,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-revision", help="target revision (default: target_revision from the config)")
     parser.add_argument("--acceptance", help="acceptance.json (schema dflash-acceptance/v1) to show in the card")
     parser.add_argument("-o", "--output", help="write the card here (default: print it)")
-    return parser
+    return add_debug_flag(parser)
 
 
 def main(argv=None) -> int:
-    """Command-line entry point; returns the exit status (0 ok, 1 refused)."""
-    args = build_parser().parse_args(argv)
-    try:
-        card = render_model_card(args.folder, args.repo_id, license=args.license, target_id=args.target_id,
-                                 target_revision=args.target_revision, acceptance=args.acceptance)
-    except (ConversionError, AcceptanceError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    """Command-line entry point; returns the exit status (0 ok, 1 refused: one line on stderr)."""
+    return run_command(_run, build_parser().parse_args(argv))
+
+
+def _run(args) -> int:
+    card = render_model_card(args.folder, args.repo_id, license=args.license, target_id=args.target_id,
+                             target_revision=args.target_revision, acceptance=args.acceptance)
+    target = args.target_id or sources.read_config(args.folder).get("target_model_id")
+    if target is not None and not is_hub_id(target):
+        print(f"warning: the target {target!r} is not a Hub repo id: the card links to it and serves it as is; "
+              "pass --target-id ORG/NAME", file=sys.stderr)
     if args.output:
         card.save(args.output)
         print(f"wrote {args.output}")

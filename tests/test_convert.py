@@ -345,9 +345,20 @@ def test_push_dry_run_lists_exactly_the_files(converted, capsys):
     assert push_main([str(converted), "--repo-id", "me/draft", "--license", "mit", "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert sorted(os.listdir(converted)) == before  # no README written
-    listed = [line.strip() for line in text.splitlines()[1:]]
+    listing, card = text.split("\n----- README.md (generated model card), exactly as it would be uploaded -----\n")
+    listed = [line.strip() for line in listing.splitlines()[1:] if line.strip()]
     assert listed == ["README.md (generated model card)"] + OURS
     assert text.splitlines()[0].startswith("Would upload 6 file(s)")
+    from model_cards.render import render_model_card
+
+    assert card.removesuffix("\n") == str(render_model_card(str(converted), "me/draft", license="mit"))  # the exact card
+
+
+def test_push_dry_run_writes_the_card_where_asked(converted, tmp_path, capsys):
+    path = tmp_path / "card.md"
+    assert push_main([str(converted), "--repo-id", "me/draft", "--license", "mit", "--dry-run", "--card-out", str(path)]) == 0
+    assert "----- README.md" not in capsys.readouterr().out
+    assert path.read_text().startswith("---\n") and "me/draft" in path.read_text()
 
 
 def test_push_uploads_with_the_hub_calls(converted):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tiny import tiny_draft, tiny_target, tiny_tokenizer
+from versions import newest_transformers_only
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -30,7 +31,7 @@ def hub(tmp_path):
 
 def test_readme_blocks_run_on_tiny_models(hub, capsys):
     blocks = readme_blocks()
-    assert set(blocks) == {"usage", "batch"}
+    assert set(blocks) == {"pair", "usage", "batch"}
     namespace = {}
     for name in ("usage", "batch"):
         code = blocks[name]
@@ -47,3 +48,15 @@ def test_readme_blocks_run_on_tiny_models(hub, capsys):
     assert out.sequences.shape[0] == 2 and len(out.num_new_tokens) == 2
     printed = capsys.readouterr().out
     assert "tau =" in printed
+
+
+@newest_transformers_only
+def test_readme_pair_block_runs_on_the_shipped_pair(monkeypatch, capsys):
+    """The README's first snippet runs as written against pair/target + pair/drafter (no chat template)."""
+    monkeypatch.chdir(README.parent)
+    namespace = {}
+    exec(compile(readme_blocks()["pair"], "README:pair", "exec"), namespace)
+    target, ids = namespace["target"], namespace["input_ids"]
+    expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64)
+    assert namespace["out"].sequences.tolist() == expected.tolist()
+    assert "tau =" in capsys.readouterr().out

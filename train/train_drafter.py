@@ -1,4 +1,4 @@
-"""Train a DFlash drafter against a frozen target (the recipe of ``shared/docs/dflash-notes.md`` section 4).
+"""Train a DFlash drafter against a frozen target (the recipe of arXiv 2602.06036, training section).
 
 Importable pieces first (usable from a notebook), a thin CLI last::
 

@@ -2,7 +2,7 @@
 
 A DFlash draft is a small Qwen3-style decoder (no embedding, no LM head) that drafts a block of
 ``block_size`` tokens in one forward pass, conditioned on hidden states captured from a few target
-layers (``target_layer_ids``). See arXiv 2602.06036 and ``shared/docs/dflash-notes.md`` sections 1-2.
+layers (``target_layer_ids``). See arXiv 2602.06036.
 
 The saved ``config.json`` keeps the published z-lab / SpecForge dialect (``model_type: "qwen3"``,
 ``dflash_config.{target_layer_ids, mask_token_id}``, top-level ``block_size``), so engines that read

@@ -34,6 +34,9 @@ from transformers import (
 )
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation import logits_process as _lp
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 class _NotPassed:
@@ -741,6 +744,21 @@ def _through_generate(target, input_ids, attention_mask, loop, **generate_kwargs
     return result["out"]
 
 
+def _warn_unmasked_left_padding(input_ids, attention_mask, pad_token_id) -> None:
+    """Warn, as ``generate`` does, when rows start with the pad token but no ``attention_mask`` came:
+    the padding would then be read as prompt tokens (the output still equals ``target.generate`` on the
+    same unmasked input, but not what the caller meant)."""
+    if attention_mask is not None or pad_token_id is None or input_ids.shape[0] < 2:
+        return
+    rows = (input_ids[:, 0] == pad_token_id).nonzero().flatten().tolist()
+    if rows:
+        logger.warning(
+            f"rows {rows} of input_ids start with the pad token {pad_token_id} (left padding) but no attention_mask "
+            "was passed, so the padding is read as prompt tokens: pass the tokenizer's attention_mask"
+        )
+
+
+
 @torch.no_grad()  # not inference_mode: callers may feed the output to autograd (e.g. drafter training)
 def spec_generate(
     draft,
@@ -845,6 +863,7 @@ def spec_generate(
     _check_is_causal_lm(target)
     vocab = target.get_input_embeddings().weight.shape[0]
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask, vocab)
+    _warn_unmasked_left_padding(input_ids, attention_mask, (generation_config or target.generation_config).pad_token_id)
     trained = draft.config.block_size
     block_size = trained if block_size is None else block_size
     _check_int("block_size", block_size, 1, trained)

@@ -4,12 +4,15 @@ The draft is a small Qwen3-style decoder with no embedding and no LM head of its
 target's, frozen). Each call drafts a whole block ``[anchor, MASK, ..., MASK]`` in one forward pass.
 Target hidden states captured at ``config.target_layer_ids`` are fused by ``fc`` + ``hidden_norm``
 and injected as extra keys/values into every draft layer ("KV injection"); queries come only from
-the block. See ``shared/docs/dflash-notes.md`` sections 1-2. State-dict names equal the published
+the block (arXiv 2602.06036, method section). State-dict names equal the published
 z-lab / SpecForge checkpoints, so they load strictly with no renaming.
 """
 
 import functools
+import hashlib
 import math
+import os
+import sys
 from typing import Optional
 
 import torch
@@ -17,12 +20,66 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+_SOURCE_SHA = "__dflash_source_sha256__"  # set on each sibling module: the sha256 of the file it ran
+
+
+def _sibling_modules() -> dict:
+    """``{name: module}`` of the modules of this file's package that were loaded from this file's folder."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    prefix = __package__ + "."
+    found = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.startswith(prefix) and name != __name__ and path and os.path.dirname(os.path.abspath(path)) == here:
+            found[name] = module
+    return found
+
+
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _forget_stale_siblings() -> None:
+    """Drop the sibling modules from ``sys.modules`` when a file of theirs changed since it ran.
+
+    transformers runs a folder's remote code from one cache package per folder (4.57: keyed by the
+    folder's basename only) and re-executes this modeling file when it or a file it imports changed,
+    but a plain relative import then returns the sibling module already in ``sys.modules``: a second
+    folder with the same name, or the same folder after an edit, would silently run the FIRST
+    ``generation_utils.py``. Every module of this package loaded from this folder (siblings of
+    siblings included) whose file no longer has the bytes it ran is stale, and when one is, all of them
+    are forgotten (a module whose own file is unchanged may hold names imported from a changed one),
+    so the imports below run the folder's own files. Modules that transformers loads itself
+    (``__transformers_module_hash__``: the configuration file) are left to its own reload check.
+    """
+    ours = {n: m for n, m in _sibling_modules().items() if not hasattr(m, "__transformers_module_hash__")}
+    if any(not os.path.isfile(m.__file__) or getattr(m, _SOURCE_SHA, None) != _file_sha256(m.__file__)
+           for m in ours.values()):
+        for name in ours:
+            del sys.modules[name]
+
+
+def _record_sibling_sources() -> None:
+    """Stamp each newly imported sibling module with the sha256 of the file it ran (see [`_forget_stale_siblings`])."""
+    for module in _sibling_modules().values():
+        if not hasattr(module, _SOURCE_SHA) and not hasattr(module, "__transformers_module_hash__"):
+            setattr(module, _SOURCE_SHA, _file_sha256(module.__file__))
+
+
+if __package__:
+    _forget_stale_siblings()
+# Every flat sibling file that any remote-code file imports must be imported HERE too, with a
+# single-dot relative import: transformers 4.57 copies only the modeling file's direct relative
+# imports of a local folder into its module cache (tests/test_remote_code.py checks this).
 try:
     from .configuration_dflash import DFlashConfig
     from .generation_utils import spec_generate as _spec_generate
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from configuration_dflash import DFlashConfig
     from generation_utils import spec_generate as _spec_generate
+if __package__:
+    _record_sibling_sources()
 
 try:  # optional, CUDA only
     from flash_attn import flash_attn_func
@@ -395,9 +452,46 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             masks = [None] * len(masks)
         return masks
 
+    # Bound when the class is created: transformers 4.57 re-executes this module in place when a
+    # folder with other code is loaded, and a global lookup would then reach the newer folder's loop.
+    _spec_generate = staticmethod(_spec_generate)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, run by the folder's own remote code (see [`_folder_own_class`])."""
+        own = _folder_own_class(cls, pretrained_model_name_or_path, kwargs)
+        if own is not cls:
+            return own.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
     @functools.wraps(_spec_generate)  # help() shows the full signature (less ``draft``) and docstring
     def spec_generate(self, *args, **kwargs):
-        return _spec_generate(self, *args, **kwargs)
+        return self._spec_generate(self, *args, **kwargs)
+
+
+_REMOTE_CODE_PACKAGE = "transformers_modules."  # where transformers runs trust_remote_code files
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "code_revision", "local_files_only")
+
+
+def _folder_own_class(cls, pretrained_model_name_or_path, kwargs):
+    """The ``DFlashDraftModel`` class of the folder's own remote code, or ``cls``.
+
+    transformers 5 maps a remote config class to the first model class loaded for it
+    (``AutoModel.register``), so a second folder with the same ``configuration_dflash.py`` but another
+    ``generation_utils.py`` (or the same folder after an edit) would get the first folder's class. When
+    ``cls`` is itself remote code and the folder's config names this class in ``auto_map``, the class is
+    resolved again from the folder with transformers' public ``get_class_from_dynamic_module``
+    (keyed by the folder's files), so the folder's own code runs. Our class imported directly (from
+    the repository or ``dflash_hf``) is never swapped.
+    """
+    config = kwargs.get("config")
+    reference = (getattr(config, "auto_map", None) or {}).get("AutoModel")
+    if not cls.__module__.startswith(_REMOTE_CODE_PACKAGE) or reference != f"modeling_dflash.{cls.__name__}":
+        return cls
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if kwargs.get(k) is not None}
+    return get_class_from_dynamic_module(reference, pretrained_model_name_or_path, **hub_kwargs)
 
 
 DFlashConfig.register_for_auto_class()
