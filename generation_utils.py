@@ -36,6 +36,11 @@ from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation import logits_process as _lp
 from transformers.utils import logging
 
+try:
+    from .target_cache import check_target_cache, new_target_cache, recording, restore_linear_states
+except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from target_cache import check_target_cache, new_target_cache, recording, restore_linear_states
+
 logger = logging.get_logger(__name__)
 
 
@@ -588,13 +593,7 @@ def check_pairing(draft, target):
         raise ValueError(f"draft was trained for a {cfg.num_target_layers}-layer target, this target has {len(layers)}")
     if not cfg.mask_token_id < min(t_vocab, head.weight.shape[0]):
         raise ValueError(f"mask_token_id={cfg.mask_token_id} is outside the target vocabulary of {t_vocab}")
-    layer_types = getattr(target.config.get_text_config(), "layer_types", None) or []
-    odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if odd:
-        raise NotImplementedError(
-            f"target layer types {odd} keep recurrent state that cannot be rolled back after a rejected draft; "
-            "spec_generate supports attention-only targets"
-        )
+    check_target_cache(target)  # hybrid linear-attention targets: supported families only, exact rollback
 
 
 def _check_is_causal_lm(target):
@@ -1083,8 +1082,9 @@ def _prefill_commit(run, first, scores, logits):
 def _forward_target(target, cache_kw, cache, tokens, positions, valid):
     """Target logits ``(A, n, V)`` for ``tokens`` at ``positions``, over cache slots marked ``valid``."""
     mask = None if bool(valid.all()) else torch.cat([valid, valid.new_ones(tokens.shape)], dim=1)
-    return target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                  **{cache_kw: cache}).logits
+    with recording(cache):  # hybrid targets: snapshot + inputs of the linear-attention mixers
+        return target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                      **{cache_kw: cache}).logits
 
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
@@ -1093,7 +1093,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
     device, bsz, out = input_ids.device, input_ids.shape[0], run.out
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     cache_kw = _cache_kwarg(target)
-    target_cache, draft_cache = DynamicCache(), DynamicCache()
+    target_cache, draft_cache = new_target_cache(target), DynamicCache()
     budget = run.stops.budget
     t0 = _sync(device) if output_timings else None
 
@@ -1143,6 +1143,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         owned = (torch.arange(width, device=device)[None] < committed[:, None]).long()  # (A, width)
         kept = target_cache.get_seq_length() - b + width
         crop_cache(target_cache, kept)
+        restore_linear_states(target_cache, committed)  # hybrid targets: replay each row's committed prefix
         rows.target_valid = torch.cat([rows.target_valid, owned], dim=1)
         rows.add_context(_Context(features()[:, :width], positions[:, :width], owned))
         rows.start, rows.n_new, rows.anchor = rows.start + committed, rows.n_new + committed, next_token[:, None]

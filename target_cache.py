@@ -1,0 +1,200 @@
+"""The target's cache for ``spec_generate``, including hybrid linear-attention targets with exact rollback.
+
+Attention layers are cut back after a verify block like any KV cache. Linear-attention layers (Gated
+DeltaNet in Qwen3.5 / Qwen3.6 / Qwen3-Next) cannot be cut: their convolution window and recurrent
+state have already absorbed every token of the block, rejected drafts included, and cropping would
+silently move the target off its own path (notes section 3). Method (the one the authors' MLX port
+uses, notes section 7): during the verify forward each linear-attention mixer's states are
+snapshotted and its input is recorded (forward pre-hooks, removed after the forward); after the
+verify, every row whose block was not fully accepted gets its states back from the snapshot and
+replays its own committed prefix through the linear-attention mixers only (no MLP, no attention, no
+LM head). Rows are replayed in groups of equal committed length, never padded, because a padded
+position would still decay the gated-delta state and shift the convolution window. The serving
+engines instead keep one state per block position during verify; that needs a kernel that emits
+per-position states, which transformers' layers do not expose.
+
+Everything here uses transformers' public cache (``DynamicCache(config=...)``); the few reads and
+writes of a linear-attention cache layer's state dictionaries are isolated in ``_states`` /
+``_set_states`` / ``_is_linear`` and checked by ``check_target_cache`` before any forward.
+"""
+
+import contextlib
+import inspect
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+LINEAR = "linear_attention"
+_ATTENTION = ("full_attention", "sliding_attention")
+# model_type of the text config -> the families whose rollback is implemented and tested.
+# Qwen3.6 checkpoints are published with the Qwen3.5 types (qwen3_5 dense, qwen3_5_moe MoE).
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def linear_layer_ids(target) -> list:
+    """Indices of the target's linear-attention decoder layers (``layer_types``), ``[]`` for attention-only."""
+    layer_types = getattr(target.config.get_text_config(), "layer_types", None) or []
+    return [i for i, t in enumerate(layer_types) if t == LINEAR]
+
+
+def _mixers(target) -> dict:
+    """``{layer index: linear-attention mixer module}``; every mixer must say it is that layer."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    mixers = {}
+    for i in linear_layer_ids(target):
+        mixer = getattr(decoder.layers[i], "linear_attn", None)
+        if mixer is None or getattr(mixer, "layer_idx", None) != i:
+            raise NotImplementedError(
+                f"target layer {i} is '{LINEAR}' but has no `linear_attn` mixer with layer_idx={i} "
+                f"(got {type(mixer).__name__}); spec_generate cannot roll its state back"
+            )
+        mixers[i] = mixer
+    return mixers
+
+
+def _is_linear(layer) -> bool:
+    """A transformers >= 5 linear-attention cache layer: conv and recurrent states, no K/V."""
+    return hasattr(layer, "conv_states") and hasattr(layer, "recurrent_states") and not hasattr(layer, "keys")
+
+
+def _states(layer):
+    """``(conv (B, conv_dim, kernel), recurrent (B, heads, k_dim, v_dim))`` of one linear cache layer."""
+    return layer.conv_states[0], layer.recurrent_states[0]
+
+
+def _set_states(layer, conv, recurrent):
+    layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
+
+
+def check_target_cache(target):
+    """Refuse, before any forward, a target whose cache ``spec_generate`` cannot roll back exactly.
+
+    Attention-only targets pass. Hybrid targets pass when their family is in ``HYBRID_FAMILIES`` and
+    the installed transformers keeps linear-attention state in its ``DynamicCache`` (5.x). Qwen3-Next
+    on transformers 4.57 does not: its own ``Qwen3NextDynamicCache`` restarts the gated-delta state
+    from zero in every multi-token forward, so a verify block is wrong from its first token and only
+    one-token verification (no speed-up) would be exact; it is refused with the version named.
+
+    Raises:
+        NotImplementedError: layer types other than attention / ``linear_attention``, a hybrid family
+            not listed, a transformers version whose cache has no linear-attention layers.
+    """
+    text = target.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or []
+    odd = sorted({t for t in layer_types if t not in _ATTENTION + (LINEAR,)})
+    if odd:
+        raise NotImplementedError(
+            f"target layer types {odd} ({text.model_type}) keep state that spec_generate cannot roll back after a "
+            f"rejected draft; supported: attention layers and the '{LINEAR}' layers of {', '.join(HYBRID_FAMILIES)}"
+        )
+    linear = linear_layer_ids(target)
+    if not linear:
+        return
+    if text.model_type not in HYBRID_FAMILIES:
+        raise NotImplementedError(
+            f"hybrid target model_type '{text.model_type}': exact rollback of its '{LINEAR}' state is implemented and "
+            f"tested for {', '.join(HYBRID_FAMILIES)} only"
+        )
+    probe = DynamicCache(config=target.config)
+    if len(probe.layers) <= max(linear) or not all(_is_linear(probe.layers[i]) for i in linear):
+        raise NotImplementedError(
+            f"transformers {transformers.__version__} cannot run a '{text.model_type}' target exactly with "
+            "spec_generate: its linear-attention layers restart their state from zero in multi-token forwards "
+            "(only one-token verification, with no speed-up, would be exact). transformers >= 5.24 serves it."
+        )
+    _mixers(target)
+
+
+def new_target_cache(target):
+    """An empty cache for ``target``: ``DynamicCache()``, or a [`HybridCache`] for linear-attention targets."""
+    return HybridCache(target) if linear_layer_ids(target) else DynamicCache()
+
+
+class HybridCache(DynamicCache):
+    """A ``DynamicCache`` built from the target's config (linear-attention layers included) that
+    ``spec_generate`` can roll back exactly (module docstring).
+
+    ``crop(-n)`` cuts the attention layers only; ``restore_linear_states(committed)`` then puts every
+    linear-attention layer at the state after exactly the committed tokens of each row.
+    ``batch_select_indices`` also selects rows of the linear states. The snapshots and recorded
+    inputs live on this object, for one verify forward at a time.
+    """
+
+    def __init__(self, target):
+        super().__init__(config=target.config)
+        self._mixers = _mixers(target)
+        self._snapshots, self._inputs = {}, {}
+        params = inspect.signature(next(iter(self._mixers.values())).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "cache_params"
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for layer in self.layers:
+            if not _is_linear(layer):
+                layer.crop(tokens_to_remove)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            if _is_linear(layer):
+                _set_states(layer, *(s[indices] for s in _states(layer)))
+            else:
+                layer.batch_select_indices(indices)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Inside: every linear mixer snapshots its layer's states and records its input ``(B, b, hidden)``."""
+        self._snapshots, self._inputs = {}, {}
+
+        def hook_for(i):
+            def hook(module, args, kwargs):
+                assert module.layer_idx == i, f"mixer of layer {module.layer_idx} hooked as layer {i}"
+                conv, recurrent = _states(self.layers[i])
+                self._snapshots[i] = (conv.clone(), recurrent.clone())
+                self._inputs[i] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        handles = [m.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, m in self._mixers.items()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def restore_linear_states(self, committed: torch.Tensor) -> None:
+        """Put each linear layer at the state after the first ``committed[r]`` tokens of row ``r``'s block.
+
+        Args:
+            committed: ``(B,)`` LongTensor in ``[1, b]``, tokens of the last verify block each row keeps.
+                Rows with ``committed == b`` keep the verify's own states; the others are restored from
+                the snapshot and replay their prefix, one mixer call per layer and distinct length.
+        """
+        assert set(self._snapshots) == set(self._mixers) == set(self._inputs), "a linear layer missed its snapshot"
+        for i, mixer in self._mixers.items():
+            layer, inputs = self.layers[i], self._inputs[i]
+            conv_now, recurrent_now = _states(layer)
+            snap_conv, snap_recurrent = self._snapshots[i]
+            assert snap_conv.shape == conv_now.shape and snap_recurrent.shape == recurrent_now.shape, i
+            assert inputs.shape[0] == committed.shape[0], (i, inputs.shape, committed.shape)
+            for c in sorted(set(committed.tolist()) - {inputs.shape[1]}):
+                rows = (committed == c).nonzero()[:, 0]
+                _set_states(layer, snap_conv[rows].clone(), snap_recurrent[rows].clone())
+                mixer(hidden_states=inputs[rows, :c], **{self._cache_kw: self})
+                conv_rows, recurrent_rows = _states(layer)
+                conv_now[rows], recurrent_now[rows] = conv_rows.to(conv_now.dtype), recurrent_rows.to(recurrent_now.dtype)
+            _set_states(layer, conv_now, recurrent_now)
+        self._snapshots, self._inputs = {}, {}
+
+
+def recording(cache):
+    """Context for one verify forward: records what ``HybridCache.restore_linear_states`` needs; else nothing."""
+    return cache.recording() if isinstance(cache, HybridCache) else contextlib.nullcontext()
+
+
+def restore_linear_states(cache, committed: torch.Tensor) -> None:
+    """After the attention layers were cut back: exact linear-attention states per row (no-op for other caches)."""
+    if isinstance(cache, HybridCache):
+        cache.restore_linear_states(committed)
+
+
+__all__ = ["check_target_cache", "new_target_cache", "HybridCache", "recording", "restore_linear_states",
+           "linear_layer_ids", "HYBRID_FAMILIES"]
