@@ -167,22 +167,38 @@ class HybridCache(DynamicCache):
             committed: ``(B,)`` LongTensor in ``[1, b]``, tokens of the last verify block each row keeps.
                 Rows with ``committed == b`` keep the verify's own states; the others are restored from
                 the snapshot and replay their prefix, one mixer call per layer and distinct length.
+        Raises:
+            AssertionError: a linear layer has no snapshot / recorded input from this verify, or they do
+                not match its current states (a snapshot that is not its layer's).
         """
-        assert set(self._snapshots) == set(self._mixers) == set(self._inputs), "a linear layer missed its snapshot"
-        for i, mixer in self._mixers.items():
-            layer, inputs = self.layers[i], self._inputs[i]
-            conv_now, recurrent_now = _states(layer)
-            snap_conv, snap_recurrent = self._snapshots[i]
-            assert snap_conv.shape == conv_now.shape and snap_recurrent.shape == recurrent_now.shape, i
-            assert inputs.shape[0] == committed.shape[0], (i, inputs.shape, committed.shape)
-            for c in sorted(set(committed.tolist()) - {inputs.shape[1]}):
-                rows = (committed == c).nonzero()[:, 0]
-                _set_states(layer, snap_conv[rows].clone(), snap_recurrent[rows].clone())
-                mixer(hidden_states=inputs[rows, :c], **{self._cache_kw: self})
-                conv_rows, recurrent_rows = _states(layer)
-                conv_now[rows], recurrent_now[rows] = conv_rows.to(conv_now.dtype), recurrent_rows.to(recurrent_now.dtype)
-            _set_states(layer, conv_now, recurrent_now)
+        assert set(self._snapshots) == set(self._mixers) == set(self._inputs), (
+            f"linear layers {sorted(self._mixers)} but snapshots of {sorted(self._snapshots)}")
+        for i in self._mixers:
+            _restore_layer(self, i, committed)
         self._snapshots, self._inputs = {}, {}
+
+
+def _replay_groups(committed: torch.Tensor, width: int) -> list:
+    """``[(rows (R,), length)]``: rows that kept fewer than ``width`` tokens, grouped by that count.
+
+    Never pad rows to a common length: a padded position still decays the gated-delta state and
+    shifts the convolution window, even with a zero input."""
+    return [((committed == c).nonzero()[:, 0], c) for c in sorted(set(committed.tolist()) - {width})]
+
+
+def _restore_layer(cache: "HybridCache", i: int, committed: torch.Tensor) -> None:
+    """Linear layer ``i``: snapshot rows + replay of their committed prefix; other rows keep the verify's states."""
+    layer, mixer, inputs = cache.layers[i], cache._mixers[i], cache._inputs[i]  # inputs (B, b, hidden)
+    conv_now, recurrent_now = _states(layer)
+    snap_conv, snap_recurrent = cache._snapshots[i]
+    assert snap_conv.shape == conv_now.shape and snap_recurrent.shape == recurrent_now.shape, f"layer {i}"
+    assert inputs.shape[0] == committed.shape[0], (i, tuple(inputs.shape), tuple(committed.shape))
+    for rows, length in _replay_groups(committed, inputs.shape[1]):
+        _set_states(layer, snap_conv[rows].clone(), snap_recurrent[rows].clone())
+        mixer(hidden_states=inputs[rows, :length], **{cache._cache_kw: cache})  # updates the states in place
+        conv_rows, recurrent_rows = _states(layer)
+        conv_now[rows], recurrent_now[rows] = conv_rows.to(conv_now.dtype), recurrent_rows.to(recurrent_now.dtype)
+    _set_states(layer, conv_now, recurrent_now)
 
 
 def recording(cache):

@@ -23,7 +23,7 @@ from convert_fixtures import (
 )
 from tiny import tiny_target
 
-CODE_FILES = ["configuration_dflash.py", "generation_utils.py", "modeling_dflash.py"]
+CODE_FILES = ["configuration_dflash.py", "generation_utils.py", "modeling_dflash.py", "target_cache.py"]
 OURS = sorted(["config.json", "model.safetensors"] + CODE_FILES)
 
 
