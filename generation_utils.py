@@ -6,7 +6,9 @@ target verifies the block in one pass. Greedy: the longest prefix of drafts equa
 argmax is kept, plus the target's token at the first mismatch (the bonus token). Sampling: drafts
 pass or fail the speculative-sampling test and the first failure is replaced by a residual sample
 (``speculative_verify``). Both KV caches are then cut back to the committed length; in a batch,
-every row commits its own count.
+every row commits its own count. Hybrid linear-attention targets (Qwen3.5 / Qwen3.6, Qwen3-Next)
+also get their recurrent and convolution states put back at exactly the committed tokens
+(``target_cache.py``: snapshot before verify, per-row replay of the committed prefix).
 
 Arguments are resolved by ``target.generate`` itself (``custom_generate=`` with a callable runs
 generate's own config merging, length rule, warnings, logits processors and stopping criteria, then
@@ -849,7 +851,9 @@ def spec_generate(
     what it computes alone, up to floating-point summation order. Finished rows are dropped from
     the caches. Holes would shift a sliding-window target's window (transformers windows count
     cache slots), so batches of sliding-window targets are refused; the draft's own sliding layers
-    take key positions from the mask and stay exact.
+    take key positions from the mask and stay exact. Linear-attention layers of hybrid targets keep
+    one state per row, unaffected by left padding (transformers zeroes padded inputs in the prefill)
+    and replayed per row after each verify (``target_cache.HybridCache``).
 
     Raises:
         TypeError: a keyword that is neither a ``GenerationConfig`` field nor an argument here.
@@ -857,7 +861,9 @@ def spec_generate(
             values out of range) or a draft not built for this target, before any forward pass.
         NotImplementedError: options that cannot be exact here (``REFUSED_KEYS``: beam search, DoLa,
             contrastive search, guidance, other speculative methods, attentions/hidden states,
-            token healing), recurrent-state targets, sliding-window targets with batch > 1.
+            token healing), recurrent-state targets outside ``target_cache.HYBRID_FAMILIES`` (or on a
+            transformers version without linear-attention cache layers, e.g. Qwen3-Next on 4.57),
+            sliding-window targets with batch > 1.
     """
     _check_is_causal_lm(target)
     vocab = target.get_input_embeddings().weight.shape[0]

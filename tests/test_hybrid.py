@@ -56,7 +56,8 @@ def remember(model, out: float = 1.0, qkv: float = 1.0):
         if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
             module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.02, 0.4).log())
             module.out_proj.weight.mul_(out)
-            module.in_proj_qkv.weight.mul_(qkv)
+            if qkv != 1.0:  # Qwen3.5 names it in_proj_qkv (Qwen3-Next fuses z in: in_proj_qkvz)
+                module.in_proj_qkv.weight.mul_(qkv)
     return model
 
 
