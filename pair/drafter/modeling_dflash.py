@@ -75,9 +75,11 @@ if __package__:
 try:
     from .configuration_dflash import DFlashConfig
     from .generation_utils import spec_generate as _spec_generate
+    from .target_cache import HYBRID_FAMILIES  # noqa: F401
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from configuration_dflash import DFlashConfig
     from generation_utils import spec_generate as _spec_generate
+    from target_cache import HYBRID_FAMILIES  # noqa: F401
 if __package__:
     _record_sibling_sources()
 
