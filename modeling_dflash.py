@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 _SOURCE_SHA = "__dflash_source_sha256__"  # set on each sibling module: the sha256 of the file it ran
 
@@ -75,10 +76,12 @@ if __package__:
 try:
     from .configuration_dflash import DFlashConfig
     from .generation_utils import spec_generate as _spec_generate
+    from .generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
     from .target_cache import HYBRID_FAMILIES  # noqa: F401
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from configuration_dflash import DFlashConfig
     from generation_utils import spec_generate as _spec_generate
+    from generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
     from target_cache import HYBRID_FAMILIES  # noqa: F401
 if __package__:
     _record_sibling_sources()
@@ -335,6 +338,27 @@ class DFlashDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+def native_dflash_available() -> bool:
+    """True when this transformers has its own DFlash candidate generator (5.x), i.e. when
+    ``target.generate(assistant_model=draft, speculation_type="dflash")`` exists."""
+    try:
+        from transformers.generation import candidate_generator
+    except ImportError:
+        return False
+    return hasattr(candidate_generator, "DFlashTokenCandidateGenerator")
+
+
+def assistant_usage_hint() -> str:
+    """How to use a DFlash draft from ``generate()`` on the installed transformers version."""
+    routes = ("draft.spec_generate(target, input_ids, ...), or target.generate(input_ids, "
+              "custom_generate=<this drafter's folder or Hub repo>, assistant_model=draft, trust_remote_code=True)")
+    if native_dflash_available():
+        return ("a DFlash draft is not a generic generate() assistant: pass speculation_type=\"dflash\" with "
+                f"assistant_model=draft (transformers' own DFlash path), or use {routes}")
+    return ("a DFlash draft is not a generic generate() assistant, and this transformers version has no native "
+            f"DFlash path (speculation_type=\"dflash\" needs transformers >= 5): use {routes}")
+
+
 class DFlashPreTrainedModel(PreTrainedModel):
     config_class = DFlashConfig
     base_model_prefix = "model"
@@ -383,17 +407,49 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     def target_layer_ids(self) -> list:
         return self.config.target_layer_ids
 
+    # A draft has no generation_config of its own: `generate(assistant_model=draft)` without
+    # speculation_type="dflash" would build transformers' generic assistant, which reads one and fails
+    # with a bare AttributeError. Reading it raises an AttributeError that names the working routes
+    # instead (hasattr() stays False, as before).
+    @property
+    def generation_config(self):
+        raise AttributeError(assistant_usage_hint())
+
+    @generation_config.setter
+    def generation_config(self, value):
+        """``PreTrainedModel.__init__`` stores None here for models that cannot generate."""
+        if value is not None:
+            raise ValueError(f"a DFlash draft has no generation_config (got {type(value).__name__}); "
+                             "set generation options on the target")
+
+    def __getattr__(self, name):
+        if name == "generation_config":  # the property's AttributeError lands here
+            raise AttributeError(assistant_usage_hint())
+        return super().__getattr__(name)
+
     def forward(
         self,
         position_ids: torch.LongTensor,
-        noise_embedding: torch.Tensor,
-        target_hidden: torch.Tensor,
+        noise_embedding: Optional[torch.Tensor] = None,
+        target_hidden: Optional[torch.Tensor] = None,
         past_key_values=None,
         use_cache: bool = False,
         attention_mask: Optional[torch.Tensor] = None,
+        *,
+        noise_embeds: Optional[torch.Tensor] = None,
+        context_hidden_states: Optional[torch.Tensor] = None,
+        cache=None,
         **kwargs,
-    ) -> torch.Tensor:
+    ):
         """Draft one block (or, in training, many packed blocks) in one pass.
+
+        Two spellings of the same call. Ours (``noise_embedding``, ``target_hidden``,
+        ``past_key_values``; used by ``spec_generate``, training and the z-lab loop) returns the
+        hidden-state tensor. transformers' own DFlash candidate generator (>= 5.x,
+        ``generate(assistant_model=draft, speculation_type="dflash")``) calls
+        ``forward(noise_embeds=, context_hidden_states=, position_ids=, attention_mask=, cache=)`` and
+        reads ``.last_hidden_state``: called with those names, the same computation is returned as a
+        ``BaseModelOutputWithPast``. The two spellings cannot be mixed (ValueError).
 
         Args:
             position_ids: ``(b, ctx_len + q_len)`` absolute positions of the NEW context entries
@@ -411,9 +467,23 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             **kwargs: ignored (the z-lab loop passes ``is_causal=False``; causality is per layer, from
                 the config: full-attention layers bidirectional, sliding layers causal).
 
+            noise_embeds, context_hidden_states, cache: the native names of ``noise_embedding``,
+                ``target_hidden`` and ``past_key_values`` (same shapes; ``attention_mask`` is then the
+                ``(b, past + ctx_len + q_len)`` key mask the native generator builds).
+
         Returns:
-            ``(b, q_len, H)`` final-normed hidden states; logits = target head of these.
+            ``(b, q_len, H)`` final-normed hidden states; logits = target head of these. With the
+            native names, ``BaseModelOutputWithPast(last_hidden_state=<that tensor>)``.
         """
+        native = noise_embeds is not None or context_hidden_states is not None or cache is not None
+        if native:
+            if noise_embedding is not None or target_hidden is not None or past_key_values is not None:
+                raise ValueError("pass either noise_embedding/target_hidden/past_key_values or the native "
+                                 "noise_embeds/context_hidden_states/cache, not both")
+            hidden = self.forward(position_ids, noise_embeds, context_hidden_states, cache, use_cache, attention_mask)
+            return BaseModelOutputWithPast(last_hidden_state=hidden)
+        if noise_embedding is None or target_hidden is None:
+            raise ValueError("forward needs noise_embedding (b, q_len, H) and target_hidden (b, ctx_len, n_feat * H_t)")
         dtype = self.fc.weight.dtype
         hidden_states = noise_embedding.to(device=self.fc.weight.device, dtype=dtype)
         target_hidden = self.hidden_norm(self.fc(target_hidden.to(device=hidden_states.device, dtype=dtype)))
@@ -469,6 +539,28 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     @functools.wraps(_spec_generate)  # help() shows the full signature (less ``draft``) and docstring
     def spec_generate(self, *args, **kwargs):
         return self._spec_generate(self, *args, **kwargs)
+
+    _from_generate_arguments = staticmethod(spec_generate_from_generate_arguments)
+    _native_acceptance_stats = staticmethod(native_acceptance_stats)
+    _write_custom_generate = staticmethod(write_custom_generate)
+
+    def spec_generate_from_generate_arguments(self, target, **generate_arguments):
+        """``spec_generate`` from ``target.generate()``'s arguments: the entry of the Hub
+        ``custom_generate/generate.py``; see ``generation_utils.spec_generate_from_generate_arguments``."""
+        return self._from_generate_arguments(self, target, **generate_arguments)
+
+    def native_acceptance_stats(self, target=None):
+        """Context manager collecting acceptance statistics on transformers' native DFlash path; see
+        ``generation_utils.native_acceptance_stats``."""
+        return self._native_acceptance_stats(self, target)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained``, plus ``custom_generate/generate.py`` (so that
+        ``target.generate(..., custom_generate=<this folder or its Hub repo>, assistant_model=draft,
+        trust_remote_code=True)`` runs ``spec_generate``)."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            self._write_custom_generate(save_directory)
 
 
 _REMOTE_CODE_PACKAGE = "transformers_modules."  # where transformers runs trust_remote_code files

@@ -14,5 +14,7 @@ except ImportError:  # installed with `pip install .` (the flat Hub files live i
     from dflash_hf.modeling_dflash import DFlashDraftModel
 
 from .sources import REMOTE_CODE_FILES  # defined in the light module, so that `--help` needs no torch
+# Also written by ``save_pretrained``: the Hub ``custom_generate`` entry (``generate(custom_generate=...)``).
+CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 
-__all__ = ["DFlashConfig", "DFlashDraftModel", "REMOTE_CODE_FILES", "capture_target_features", "spec_generate"]
+__all__ = ["CUSTOM_GENERATE_FILE", "DFlashConfig", "DFlashDraftModel", "REMOTE_CODE_FILES", "capture_target_features", "spec_generate"]

@@ -71,7 +71,7 @@ if __name__ == "__main__":  # answer --help and flag errors before the heavy imp
 import torch  # noqa: E402
 
 from . import keymap, sources  # noqa: E402
-from ._project import REMOTE_CODE_FILES, DFlashConfig, DFlashDraftModel, capture_target_features, spec_generate  # noqa: E402
+from ._project import CUSTOM_GENERATE_FILE, REMOTE_CODE_FILES, DFlashConfig, DFlashDraftModel, capture_target_features, spec_generate  # noqa: E402
 from .engines import engine_commands, is_hub_id  # noqa: E402
 from .errors import ConversionError  # noqa: E402
 
@@ -198,10 +198,13 @@ def build_draft(config: DFlashConfig, state_dict: dict) -> DFlashDraftModel:
 
 def strip_remote_code(folder: str) -> None:
     """Turn a written folder into the engine-only layout: delete the remote-code files and ``auto_map``."""
-    for name in REMOTE_CODE_FILES:
+    for name in REMOTE_CODE_FILES + (CUSTOM_GENERATE_FILE,):
         path = os.path.join(folder, name)
         if os.path.exists(path):
             os.remove(path)
+    custom_dir = os.path.join(folder, os.path.dirname(CUSTOM_GENERATE_FILE))
+    if os.path.isdir(custom_dir) and not os.listdir(custom_dir):
+        os.rmdir(custom_dir)
     path = os.path.join(folder, "config.json")
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
@@ -215,14 +218,15 @@ def write_folder(model: DFlashDraftModel, folder: str, engine_only: bool = False
     model.save_pretrained(folder, max_shard_size=MAX_SHARD_SIZE)
     if engine_only:
         strip_remote_code(folder)
-    return sorted(os.listdir(folder))
+    return sorted(os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
+                  for root, _, names in os.walk(folder) for name in names)
 
 
 def _predicted_files(weight_paths: list, engine_only: bool) -> list:
     size = sum(os.path.getsize(p) for p in weight_paths)
     weights = ["model.safetensors"] if size <= _MAX_SHARD_BYTES else [
         "model-XXXXX-of-XXXXX.safetensors (shards of at most 5GB)", "model.safetensors.index.json"]
-    return sorted(["config.json"] + weights + ([] if engine_only else list(REMOTE_CODE_FILES)))
+    return sorted(["config.json"] + weights + ([] if engine_only else [*REMOTE_CODE_FILES, CUSTOM_GENERATE_FILE]))
 
 
 # ----------------------------------------------------------------------------- verification

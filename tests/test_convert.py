@@ -5,6 +5,7 @@ All sources are tiny fake folders written by the test (tests/convert_fixtures.py
 
 import json
 import os
+import pathlib
 
 import pytest
 import torch
@@ -23,8 +24,14 @@ from convert_fixtures import (
 )
 from tiny import tiny_target
 
-CODE_FILES = ["configuration_dflash.py", "generation_utils.py", "modeling_dflash.py", "target_cache.py"]
+CODE_FILES = ["configuration_dflash.py", "custom_generate/generate.py", "generation_utils.py", "modeling_dflash.py",
+              "target_cache.py"]
 OURS = sorted(["config.json", "model.safetensors"] + CODE_FILES)
+
+
+def _files(folder):
+    """Every file under ``folder``, as sorted relative POSIX paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in pathlib.Path(folder).rglob("*") if p.is_file())
 
 
 def _load(folder):
@@ -60,7 +67,7 @@ def test_each_dialect_converts_and_loads_with_automodel(tmp_path, dialect, layou
     out = tmp_path / "out"
     plan = convert_checkpoint(src, out, allow_pickle=layout.get("pickle", False))
     assert plan.dialect == dialect
-    assert sorted(os.listdir(out)) == OURS == plan.files
+    assert _files(out) == OURS == plan.files
     assert len(plan.renamed) == (25 if layout.get("prefix") else 0)
     model = _load(out)
     assert type(model).__name__ == "DFlashDraftModel" and type(model).__module__.startswith("transformers_modules")
@@ -194,7 +201,7 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
     assert main([src, str(out)]) == 1 and "already exists" in capsys.readouterr().err
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     convert_checkpoint(src, out, overwrite=True)
-    assert sorted(os.listdir(out)) == OURS and _no_leftovers(tmp_path)
+    assert _files(out) == OURS and _no_leftovers(tmp_path)
 
 
 def test_failure_midway_leaves_no_output_folder(tmp_path, monkeypatch):
@@ -261,7 +268,7 @@ def test_round_trip_is_lossless_and_plain_autoconfig_reads_every_output(tmp_path
     convert_checkpoint(published, ours)
     plan = convert_checkpoint(ours, engine, engine_only=True)
     assert plan.dialect == "dflash-hf"
-    assert sorted(os.listdir(engine)) == ["config.json", "model.safetensors"] and "auto_map" not in _config(engine)
+    assert _files(engine) == ["config.json", "model.safetensors"] and "auto_map" not in _config(engine)
     assert convert_checkpoint(engine, again).dialect == "specforge"
 
     assert _config(ours) == _config(again)

@@ -30,20 +30,31 @@ def hub(tmp_path):
 
 
 def test_readme_blocks_run_on_tiny_models(hub, capsys):
+    from modeling_dflash import native_dflash_available
+
     blocks = readme_blocks()
-    assert set(blocks) == {"pair", "usage", "batch"}
-    namespace = {}
-    for name in ("usage", "batch"):
+    assert set(blocks) == {"pair", "usage", "native", "custom_generate", "batch"}
+    namespace, calls, expected = {}, [], None
+    for name in ("usage", "native", "custom_generate", "batch"):
         code = blocks[name]
         for repo, folder in hub.items():
             assert repo in code or name != "usage"
             code = code.replace(f'"{repo}"', repr(folder))
+        if name == "native" and not native_dflash_available():
+            continue  # transformers 4.57.1 has no native DFlash path (the table says so)
+        before = len(calls)
         exec(compile(code, f"README:{name}", "exec"), namespace)
-    # the greedy usage output is the target's own
-    target, ids = namespace["target"], namespace["model_inputs"]["input_ids"]
-    expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=256,
-                               eos_token_id=namespace["tokenizer"].eos_token_id)
-    assert torch.equal(namespace["output_ids"], expected)
+        if name == "usage":  # the greedy usage output is the target's own
+            target, ids = namespace["target"], namespace["model_inputs"]["input_ids"]
+            expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=256,
+                                       eos_token_id=namespace["tokenizer"].eos_token_id)
+            assert torch.equal(namespace["output_ids"], expected)
+            namespace["draft"].register_forward_hook(lambda module, args, output: calls.append(1))
+        elif name in ("native", "custom_generate"):  # same tokens, and the drafter really ran
+            assert torch.equal(namespace["output_ids"], expected), name
+            assert len(calls) - before >= 1, f"README:{name} never called the drafter"
+    reply = namespace["reply"][0]["generated_text"]
+    assert reply[-1]["role"] == "assistant" and reply[-1]["content"]
     out = namespace["out"]
     assert out.sequences.shape[0] == 2 and len(out.num_new_tokens) == 2
     printed = capsys.readouterr().out

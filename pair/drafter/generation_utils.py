@@ -16,7 +16,9 @@ hands them to our loop), so ``spec_generate`` decides exactly what ``generate`` 
 """
 
 import contextlib
+import copy
 import inspect
+import os
 import threading
 import time
 import weakref
@@ -1160,6 +1162,193 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
                        "new_tokens": sum(len(sum(c, [])) for c in run.chunks)}
 
 
+# ----------------------------------------------------------------------------- generate() entry points
+
+# Hub download options of the custom_generate repo itself (generate() reads them too): never for spec_generate.
+_LOADING = ("revision", "token", "cache_dir", "force_download", "local_files_only", "proxies", "subfolder")
+
+
+def spec_generate_from_generate_arguments(draft, target, **arguments):
+    """``spec_generate`` driven by the arguments of ``target.generate(...)``, as transformers hands them
+    to a Hub ``custom_generate/generate.py`` function (and pipelines hand them to ``generate``).
+
+    ``inputs`` -> ``input_ids``; everything else passes through unchanged (``spec_generate`` resolves
+    generate's arguments as generate does, and refuses what it cannot do exactly, naming it), except
+    ``assistant_model`` (the drafter itself), the Hub options of the custom_generate repo (``revision``,
+    ``token``, ...), generate's own parameters left at None (transformers passes them all) and
+    all-zero ``token_type_ids`` (decoder-only targets ignore them).
+
+    Raises:
+        ValueError: ``inputs`` and ``input_ids`` both given; whatever ``spec_generate`` raises.
+    """
+    params = inspect.signature(spec_generate).parameters
+    inputs = arguments.pop("inputs", None)
+    if inputs is not None:
+        if arguments.get("input_ids") is not None:
+            raise ValueError("pass the prompt as `inputs` or as `input_ids`, not both")
+        arguments["input_ids"] = inputs
+    call = {}
+    for name, value in arguments.items():
+        if name in ("draft", "target", "assistant_model") or name in _LOADING:
+            continue
+        if name not in params and (value is None or (name == "token_type_ids" and not bool(value.any()))):
+            continue
+        call[name] = value
+    return spec_generate(draft, target, **call)
+
+
+@contextlib.contextmanager
+def native_acceptance_stats(draft, target=None):
+    """Collect ``spec_generate``'s acceptance statistics on transformers' native DFlash path
+    (``target.generate(assistant_model=draft, speculation_type="dflash")``, batch 1), which returns none.
+
+    Hooks on ``draft`` (and ``target``, for the forward count) read what the native generator passes:
+    each draft call after the first receives the context of the tokens the previous verify step
+    committed (accepted drafts + the bonus token), so those are its acceptance lengths; the last
+    step's is what remains of the new tokens after the prefill token. Hooks are removed on exit.
+
+    Yields a callable ``result(sequences, prompt_len) -> DFlashGenerateOutput`` with ``sequences``,
+    ``acceptance_lengths`` (so ``mean = (new_tokens - 1) / verify steps``, the one tau definition),
+    ``row_acceptance_lengths``, ``num_new_tokens``, ``num_draft_forwards``, ``num_target_forwards``
+    (None without ``target``) and ``block_size``, ready for ``plot_acceptance``.
+
+    Raises:
+        ValueError: from ``result``, for a batch of more than one row (the native path is batch 1).
+    """
+    contexts, block, target_calls = [], [], [0]
+
+    def draft_hook(module, args, kwargs):
+        if kwargs.get("context_hidden_states") is not None:
+            contexts.append(int(kwargs["context_hidden_states"].shape[1]))
+            block.append(int(kwargs["noise_embeds"].shape[1]))
+
+    def target_hook(module, args, output):
+        target_calls[0] += 1
+
+    handles = [draft.register_forward_pre_hook(draft_hook, with_kwargs=True)]
+    if target is not None:
+        handles.append(target.register_forward_hook(target_hook))
+
+    def result(sequences, prompt_len):
+        if sequences.shape[0] != 1:
+            raise ValueError(f"the native DFlash path is batch 1, got {sequences.shape[0]} rows")
+        new = int(sequences.shape[1]) - int(prompt_len)
+        steps = contexts[1:]  # what each step committed, known at the next draft call
+        # Near max_length the generator stops drafting; the target then commits one token per step.
+        plain = max(target_calls[0] - 1 - len(contexts), 0) if target is not None else 0
+        if contexts:
+            steps.append(max(new - 1 - sum(steps) - plain, 1))
+        steps += [1] * plain
+        drafted = [max(block) - 1 if block else 0] * (len(steps) - plain) + [0] * plain
+        out = DFlashGenerateOutput(
+            sequences=sequences, acceptance_lengths=list(steps), row_acceptance_lengths=[list(steps)],
+            row_draft_lengths=[drafted], row_accepted_drafts=[[a - 1 for a in steps]],
+            num_new_tokens=[new], num_draft_forwards=len(contexts),
+            num_target_forwards=target_calls[0] if target is not None else None,
+        )
+        out.block_size = max(block) if block else None  # plain attribute, read by plot_acceptance
+        return out
+
+    try:
+        yield result
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def per_slot_acceptance(acceptance_lengths, block_size: int) -> list:
+    """Acceptance of each draft slot ``k = 1..block_size-1``: steps that accepted at least ``k``
+    drafts / steps (every step drafts the full block except near ``max_new_tokens``). A step with
+    acceptance length ``a`` (bonus included) accepted ``a - 1`` drafts."""
+    n = max(len(acceptance_lengths), 1)
+    return [sum(a - 1 >= k for a in acceptance_lengths) / n for k in range(1, block_size)]
+
+
+def plot_acceptance(result, block_size: Optional[int] = None):
+    """Plot per-slot acceptance and the histogram of acceptance lengths of a ``spec_generate`` (or
+    ``native_acceptance_stats``) result. Needs matplotlib (optional; imported here, any backend).
+
+    Args:
+        result: has ``acceptance_lengths`` (tokens per verify step, bonus included).
+        block_size: slots to show; default the result's block size if it records one, else the
+            longest acceptance length seen.
+
+    Returns:
+        A ``matplotlib.figure.Figure`` with two axes: bars of per-slot acceptance (slot 1..b-1, in
+        [0, 1]) and a histogram of acceptance lengths (1..b) with tau marked.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install matplotlib``).
+        ValueError: the result holds no verify steps.
+    """
+    lengths = list(result.acceptance_lengths or [])
+    if not lengths:
+        raise ValueError("the result holds no verify steps (nothing was drafted): nothing to plot")
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as err:
+        raise ImportError("plot() needs matplotlib: pip install matplotlib") from err
+    b = int(block_size or getattr(result, "block_size", None) or max(lengths))
+    tau = getattr(result, "tau", None) or sum(lengths) / len(lengths)
+    rates = result.slot_acceptance() if hasattr(result, "slot_acceptance") else per_slot_acceptance(lengths, b)
+    rates = [0.0 if r is None else r for r in rates][: b - 1]
+    rates += [0.0] * (b - 1 - len(rates))  # slots no step drafted
+    fig = Figure(figsize=(10, 3.5), layout="constrained")
+    slots, hist = fig.subplots(1, 2)
+    slots.bar(range(1, b), rates, color="tab:blue")
+    slots.set(xlabel="draft slot k", ylabel="share of steps accepting slot k", ylim=(0, 1),
+              title="per-slot acceptance")
+    hist.hist(lengths, bins=[x - 0.5 for x in range(1, b + 2)], color="tab:green", rwidth=0.85)
+    hist.axvline(tau, color="black", linestyle="--", label=f"tau = {tau:.2f}")
+    hist.set(xlabel="acceptance length (tokens per verify step)", ylabel="verify steps",
+             title=f"acceptance lengths ({len(lengths)} steps)")
+    hist.yaxis.set_major_locator(MaxNLocator(integer=True))
+    hist.legend()
+    return fig
+
+
+DFlashGenerateOutput.plot = plot_acceptance
+
+
+# The Hub `custom_generate/generate.py` written next to every saved drafter (transformers follows only
+# relative imports inside custom_generate/, so it reaches the decoding loop through the loaded drafter).
+CUSTOM_GENERATE_PY = '''"""DFlash speculative decoding behind ``generate()`` (transformers' Hub ``custom_generate`` entry).
+
+    draft = AutoModel.from_pretrained(DRAFTER, trust_remote_code=True)
+    out = target.generate(input_ids, custom_generate=DRAFTER, trust_remote_code=True,
+                          assistant_model=draft, max_new_tokens=256)
+
+DRAFTER is this drafter's Hub repo id or local folder. transformers gives this function the target and
+generate()'s arguments but not the repo it was loaded from, so the loaded drafter comes in as
+``assistant_model``. The arguments go to ``draft.spec_generate`` unchanged (greedy output equals
+``target.generate``; sampling is exact speculative sampling). Written by ``DFlashDraftModel.save_pretrained``.
+"""
+
+
+def generate(model, assistant_model=None, **generate_arguments):
+    """``model``: the target causal LM; ``assistant_model``: the loaded DFlash drafter."""
+    if not hasattr(assistant_model, "spec_generate_from_generate_arguments"):
+        raise ValueError(
+            "custom_generate with a DFlash drafter needs the loaded drafter as assistant_model=: "
+            "draft = AutoModel.from_pretrained(<drafter repo or folder>, trust_remote_code=True), then "
+            f"generate(..., assistant_model=draft); got assistant_model={type(assistant_model).__name__}"
+        )
+    return assistant_model.spec_generate_from_generate_arguments(model, **generate_arguments)
+'''
+
+
+def write_custom_generate(folder) -> str:
+    """Write ``<folder>/custom_generate/generate.py`` (temporary name, then renamed); returns its path."""
+    path = os.path.join(folder, "custom_generate", "generate.py")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(CUSTOM_GENERATE_PY)
+    os.replace(tmp, path)
+    return path
+
+
 def _assemble(out, input_ids, run, pad):
     """``sequences`` = prompt as given + each row's new tokens, right padded with ``pad``; scores/logits."""
     rows = [sum(row, []) for row in run.chunks]
@@ -1178,4 +1367,6 @@ def _assemble(out, input_ids, run, pad):
 __all__ = [
     "spec_generate", "speculative_verify", "capture_target_features", "check_pairing", "crop_cache",
     "DFlashGenerateOutput", "NOT_PASSED", "APPLIED_KEYS", "REFUSED_KEYS", "NO_EFFECT_KEYS",
+    "native_acceptance_stats", "per_slot_acceptance", "plot_acceptance",
+    "spec_generate_from_generate_arguments", "write_custom_generate", "CUSTOM_GENERATE_PY",
 ]
