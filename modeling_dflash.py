@@ -75,9 +75,11 @@ if __package__:
 try:
     from .configuration_dflash import DFlashConfig
     from .generation_utils import spec_generate as _spec_generate
+    from .target_families import draft_block_embedding, draft_logits
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from configuration_dflash import DFlashConfig
     from generation_utils import spec_generate as _spec_generate
+    from target_families import draft_block_embedding, draft_logits
 if __package__:
     _record_sibling_sources()
 
@@ -497,4 +499,4 @@ def _folder_own_class(cls, pretrained_model_name_or_path, kwargs):
 DFlashConfig.register_for_auto_class()
 DFlashDraftModel.register_for_auto_class("AutoModel")
 
-__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig"]
+__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig", "draft_block_embedding", "draft_logits"]
