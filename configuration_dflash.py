@@ -11,7 +11,9 @@ it with a plain ``Qwen3Config`` (vLLM, SGLang) keep working, and adds ``auto_map
 """
 
 import copy
+import inspect
 import logging
+import math
 
 try:
     from transformers import PreTrainedConfig
@@ -22,6 +24,55 @@ logger = logging.getLogger(__name__)
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+_DFLASH2 = ("a DFlash 2 checkpoint (per-sublayer grouped causal convolutions and a low-rank candidate selector) "
+            "is not implemented here; loading it as DFlash would drop its conv/selector weights")
+_REDUCED_VOCAB = ("a speculators checkpoint with a reduced draft vocabulary (d2t/t2d id maps) is not implemented; "
+                  "this draft borrows the target's full head")
+# Config keys whose meaning this implementation cannot honour: key -> (is it set?, the real reason).
+# The ONE list of load-time refusals (notes section 2, other dialects).
+REFUSED_KEYS = {
+    "conv_kernel_size": (lambda v: v is not None, _DFLASH2),
+    "conv_group_size": (lambda v: v is not None, _DFLASH2),
+    "selector_rank": (lambda v: v is not None, _DFLASH2),
+    "selector_top_k": (lambda v: v is not None, _DFLASH2),
+    "d2t": (lambda v: v is not None, _REDUCED_VOCAB),
+    "t2d": (lambda v: v is not None, _REDUCED_VOCAB),
+    "attention_sink_bias": (lambda v: bool(v), "per-head attention sink biases in the draft layers are not implemented"),
+    "add_swa_attention_sink_bias": (lambda v: bool(v), "per-head attention sink biases in the draft layers are not implemented"),
+    "partial_rotary_factor": (lambda v: v is not None and float(v) != 1.0,
+                              "the draft applies RoPE to the whole head_dim; partial rotary (factor != 1) is not implemented"),
+    "use_swa": (lambda v: bool(v), "use_swa (sliding window on every layer with bidirectional block attention, "
+                                   "MiMo style) is not implemented; express windows with layer_types"),
+}
+REFUSED_ARCHITECTURES = {"DFlash2DraftModel": _DFLASH2}
+# dflash_config entries that are read (everything else there is warned about once).
+NESTED_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "causal", "input_embedding_scale",
+               "output_multiplier", "final_logit_softcapping")
+# Keys published drafter configs carry that change nothing here (engine hints, bookkeeping).
+_IGNORED_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "auto_map", "bos_token_id",
+                 "eos_token_id", "pad_token_id", "tie_word_embeddings", "model_type", "architectures",
+                 "_name_or_path", "_commit_hash", "_attn_implementation_autoset", "attn_implementation",
+                 "id2label", "label2id", "return_dict", "output_hidden_states", "output_attentions",
+                 "chunk_size_feed_forward", "is_encoder_decoder", "problem_type", "use_aux_hidden_state",
+                 "name_or_path", "torchscript", "_attn_implementation", "_experts_implementation",
+                 "draft_vocab_size", "use_return_dict"}
+
+
+def refuse_unhonourable(config_dict: dict, nested: dict) -> None:
+    """Raise ValueError for any key of [`REFUSED_KEYS`] (top level or in ``dflash_config``) that is
+    set, or a refused architecture, naming the key, its value and what cannot be honoured."""
+    for arch in config_dict.get("architectures") or []:
+        if arch in REFUSED_ARCHITECTURES:
+            raise ValueError(f"architectures={config_dict['architectures']!r}: {REFUSED_ARCHITECTURES[arch]}")
+    for where, source in (("", config_dict), ("dflash_config.", nested)):
+        for key, (is_set, reason) in REFUSED_KEYS.items():
+            if key in source and is_set(source[key]):
+                raise ValueError(f"drafter config key {where}{key}={source[key]!r} cannot be honoured: {reason}")
+    vocab, draft_vocab = config_dict.get("vocab_size"), config_dict.get("draft_vocab_size", nested.get("draft_vocab_size"))
+    if draft_vocab is not None and vocab is not None and draft_vocab != vocab:
+        raise ValueError(f"drafter config key draft_vocab_size={draft_vocab} != vocab_size={vocab} cannot be honoured: "
+                         f"{_REDUCED_VOCAB}")
 
 
 def legacy_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -50,8 +101,13 @@ def normalize_rope(rope_theta=None, rope_scaling=None, rope_parameters=None) -> 
     """
     if rope_parameters:
         params = dict(rope_parameters)
-        if "full_attention" in params and isinstance(params["full_attention"], dict):
-            params = dict(params["full_attention"])  # per-layer-type nesting of 5.x; the draft uses one rope
+        if params and all(isinstance(v, dict) for v in params.values()):  # per-layer-type nesting of 5.x
+            distinct = {repr(sorted(v.items())) for v in params.values()}
+            if len(distinct) > 1:
+                raise ValueError(
+                    f"rope_parameters per layer type with differing values {params} cannot be honoured: the draft "
+                    "applies one RoPE to every layer")
+            params = dict(next(iter(params.values())))
     else:
         params = dict(rope_scaling or {})
     if "type" in params and "rope_type" not in params:
@@ -65,6 +121,15 @@ def normalize_rope(rope_theta=None, rope_scaling=None, rope_parameters=None) -> 
     if params["rope_type"] != "default" and "factor" not in params:
         raise ValueError(f"rope_type={params['rope_type']!r} needs a 'factor' in rope_scaling/rope_parameters, got {params}")
     return params
+
+
+def _warn_unknown(kwargs: dict, nested: dict) -> None:
+    """One warning naming every key this implementation neither reads nor knowingly ignores."""
+    known = set(inspect.signature(DFlashConfig.__init__).parameters) | _IGNORED_KEYS | set(REFUSED_KEYS)
+    unknown = sorted(k for k in kwargs if k not in known)
+    unknown += sorted(f"dflash_config.{k}" for k in nested if k not in NESTED_KEYS and k not in REFUSED_KEYS)
+    if unknown:
+        logger.warning("DFlash config keys %s are not read by this implementation and have no effect", unknown)
 
 
 class DFlashConfig(PreTrainedConfig):
@@ -82,6 +147,12 @@ class DFlashConfig(PreTrainedConfig):
             the block, sliding layers causal). Also read from ``dflash_config.causal``.
         target_model_id / target_revision (`str`, *optional*): the target this draft was trained for.
         vocab_size (`int`): the target's vocabulary size (the draft borrows its embedding and head).
+        input_embedding_scale (`float`, *optional*): the block embedding is the RAW target embedding
+            row times this (default 1.0; the authors' and the engines' convention, never the output of
+            an embedding module that scales itself, see ``target_families.draft_block_embedding``).
+        output_multiplier / final_logit_softcapping (`float`, *optional*): draft logits are
+            ``head(h) * output_multiplier``, then ``cap * tanh(logits / cap)`` (``draft_logits``).
+            All three are read at top level or in ``dflash_config`` (nested wins) and saved nested.
 
     Backbone fields follow ``Qwen3Config`` (hidden_size, intermediate_size, num_hidden_layers,
     num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, attention_bias,
@@ -89,7 +160,9 @@ class DFlashConfig(PreTrainedConfig):
     (``rope_theta`` + ``rope_scaling`` or ``rope_parameters``; default, linear, yarn, llama3).
 
     Raises:
-        ValueError: at construction, naming the bad value: missing or duplicate or negative
+        ValueError: at construction, naming the bad value: any key of ``REFUSED_KEYS`` (DFlash 2,
+            reduced draft vocabularies, attention sink biases, partial rotary, ``use_swa``), a refused
+            architecture, per-layer-type rope with differing values; missing or duplicate or negative
             ``target_layer_ids``, ``mask_token_id`` outside ``[0, vocab_size)``, ``block_size < 1``,
             ``layer_types`` of the wrong length or with an unknown type, a sliding layer without window.
     """
@@ -127,13 +200,22 @@ class DFlashConfig(PreTrainedConfig):
         is_causal=None,
         target_model_id=None,
         target_revision=None,
+        input_embedding_scale=None,
+        output_multiplier=None,
+        final_logit_softcapping=None,
         dflash_config=None,
         **kwargs,
     ):
+        nested = dict(dflash_config or {})
+        refuse_unhonourable(dict(kwargs, vocab_size=vocab_size), nested)
+        _warn_unknown(kwargs, nested)
         kwargs.pop("tie_word_embeddings", None)
         kwargs.pop("model_type", None)
         super().__init__(tie_word_embeddings=False, **kwargs)
-        nested = dict(dflash_config or {})
+        # Engine keys for targets that scale embeddings or cap logits (notes section 7), nested first.
+        self.input_embedding_scale = nested.get("input_embedding_scale", input_embedding_scale)
+        self.output_multiplier = nested.get("output_multiplier", output_multiplier)
+        self.final_logit_softcapping = nested.get("final_logit_softcapping", final_logit_softcapping)
         # Published dialects (notes section 2): nested values first, then top level.
         block_size = nested.get("block_size", block_size)
         mask_token_id = nested.get("mask_token_id", mask_token_id)
@@ -202,6 +284,10 @@ class DFlashConfig(PreTrainedConfig):
         return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
 
     def _validate_dflash(self):
+        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0 (or absent), got {value!r}")
         ids = self.target_layer_ids
         if ids is None:
             raise ValueError(
@@ -248,6 +334,10 @@ class DFlashConfig(PreTrainedConfig):
             "mask_token_id": self.mask_token_id,
             "block_size": self.block_size,
         }
+        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+            value = out.pop(name, None)  # engines read these in dflash_config
+            if value is not None:
+                out["dflash_config"][name] = value
         if self.is_causal is None:
             out.pop("is_causal", None)
         return out

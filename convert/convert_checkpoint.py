@@ -113,7 +113,8 @@ class ConversionPlan:
 
     def engine_commands(self, target=None) -> dict:
         """The vLLM / SGLang command lines serving this output (see ``convert/engines.py``)."""
-        return engine_commands(self.output, self.config.block_size, target or self.config.target_model_id)
+        return engine_commands(self.output, self.config.block_size, target or self.config.target_model_id,
+                               draft_layer_types=self.config.layer_types)
 
     def describe(self) -> str:
         """A human-readable summary, printed by the command line."""

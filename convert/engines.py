@@ -33,24 +33,38 @@ def vllm_num_speculative_tokens(block_size: int) -> int:
     return block_size - 1
 
 
-def engine_commands(draft: str, block_size: int, target=None) -> dict:
+# Targets with linear-attention (Gated DeltaNet) layers: SGLang keeps per-position recurrent states
+# during verify with this scheduler option (notes section 7, the reference Qwen3.5-35B-A3B deployment).
+HYBRID_TARGET_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def engine_commands(draft: str, block_size: int, target=None, draft_layer_types=None, target_model_type=None) -> dict:
     """``{"vllm": command, "sglang": command}`` serving ``target`` with drafter ``draft``.
 
     Args:
         draft: the drafter's folder or Hub repo id, as the engine should read it.
         block_size: the drafter's trained block size.
         target: the target's folder or repo id; None writes a ``<target-model>`` placeholder.
+        draft_layer_types: the drafter's ``layer_types``. A drafter mixing ``sliding_attention`` and
+            ``full_attention`` layers (Qwen3.6, Gemma 4 drafters) needs vLLM's V2 model runner
+            (``VLLM_USE_V2_MODEL_RUNNER=1``; vLLM's DFlash model raises otherwise).
+        target_model_type: the target's ``model_type``; hybrid linear-attention targets
+            (``HYBRID_TARGET_TYPES``) get SGLang's ``--mamba-scheduler-strategy extra_buffer``.
 
     Raises:
         ValueError: ``block_size < 2``.
     """
     target = target or TARGET_PLACEHOLDER
     spec = {"method": "dflash", "model": draft, "num_speculative_tokens": vllm_num_speculative_tokens(block_size)}
-    vllm = f"vllm serve {_quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
+    kinds = set(draft_layer_types or [])
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if {"sliding_attention", "full_attention"} <= kinds else ""
+    vllm = f"{env}vllm serve {_quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
     sglang = (
         f"python -m sglang.launch_server --model-path {_quote(target)} --speculative-algorithm DFLASH "
         f"--speculative-draft-model-path {_quote(draft)} --speculative-num-draft-tokens {block_size}"
     )
+    if target_model_type in HYBRID_TARGET_TYPES:
+        sglang += " --mamba-scheduler-strategy extra_buffer"
     return {"vllm": vllm, "sglang": sglang}
 
 
@@ -58,4 +72,4 @@ def _quote(value: str) -> str:
     return value if value == TARGET_PLACEHOLDER else shlex.quote(value)
 
 
-__all__ = ["TARGET_PLACEHOLDER", "engine_commands", "is_hub_id", "vllm_num_speculative_tokens"]
+__all__ = ["HYBRID_TARGET_TYPES", "TARGET_PLACEHOLDER", "engine_commands", "is_hub_id", "vllm_num_speculative_tokens"]

@@ -7,7 +7,7 @@ import torch
 import generation_utils
 from tiny import VOCAB, tiny_draft, tiny_target
 
-TARGETS = {kind: tiny_target(kind) for kind in ("qwen3", "llama")}
+TARGETS = {kind: tiny_target(kind, peaked=True) for kind in ("qwen3", "llama")}
 PROMPTS = {n: torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (1, 3, 15, 50)}
 _REFS = {}
 
@@ -106,7 +106,7 @@ def test_stop_token_inside_an_accepted_block(oracle):
 
 
 def test_stop_defaults_to_generation_config_eos_list():
-    target, draft = tiny_target(), tiny_draft()
+    target, draft = tiny_target(peaked=True), tiny_draft()
     full = reference("qwen3", 15)
     stop = int(full[0, 15 + 4])
     target.generation_config.eos_token_id = [VOCAB - 1, stop]
@@ -151,7 +151,7 @@ def test_mixed_dtypes_run_and_fp32_target_stays_exact():
 
 
 def test_generation_config_defaults_and_explicit_arguments():
-    target, draft = tiny_target(), tiny_draft()
+    target, draft = tiny_target(peaked=True), tiny_draft()
     target.generation_config.max_new_tokens = 5
     target.generation_config.do_sample = False
     assert draft.spec_generate(target, PROMPTS[3]).shape == (1, 8)
@@ -314,8 +314,8 @@ def test_feature_at_the_anchor_is_invisible_the_one_before_is_seen(monkeypatch, 
             lambda m, a, kw: positions.append(kw["position_ids"][0]), with_kwargs=True)
 
         @contextlib.contextmanager
-        def capture(model, layer_ids):
-            with real_capture(model, layer_ids) as get:
+        def capture(model, layer_ids, *args, **kwargs):
+            with real_capture(model, layer_ids, *args, **kwargs) as get:
                 def perturbed():
                     feats = get().clone()
                     feats[:, positions[-1] == perturb_at] += 5.0
@@ -434,14 +434,14 @@ def test_batch_drops_finished_rows_from_forward_passes():
     assert sizes[0] == 2 and sizes[-1] == 1
 
 
-def test_batch_with_sliding_window_target_is_refused():
-    target = tiny_target(use_sliding_window=True, sliding_window=8, max_window_layers=1,
+def test_batch_with_sliding_window_target_equals_batch_1():
+    """Cache holes no longer shift a sliding window: the mask counts it in true positions (test_families)."""
+    target = tiny_target(use_sliding_window=True, sliding_window=8, max_window_layers=1, peaked=True,
                          layer_types=["full_attention", "sliding_attention", "sliding_attention"])
     ids, mask = _left_pad([PROMPTS[3], PROMPTS[15]])
-    with pytest.raises(NotImplementedError, match="sliding-window target"):
-        tiny_draft().spec_generate(target, ids, attention_mask=mask, max_new_tokens=4, temperature=0.0)
-    alone = tiny_draft().spec_generate(target, PROMPTS[15], max_new_tokens=20, temperature=0.0)
-    assert torch.equal(alone, generate(target, PROMPTS[15], max_new_tokens=20))
+    out = tiny_draft().spec_generate(target, ids, attention_mask=mask, max_new_tokens=20, temperature=0.0)
+    for r, n in enumerate((3, 15)):
+        assert torch.equal(out[r, ids.shape[1]:], generate(target, PROMPTS[n], max_new_tokens=20)[0, n:]), r
 
 
 def test_text_iterator_streamer_receives_exactly_the_new_tokens():

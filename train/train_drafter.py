@@ -59,6 +59,7 @@ if str(_ROOT) not in sys.path:  # the flat Hub files live at the repository root
 from configuration_dflash import DFlashConfig  # noqa: E402
 from generation_utils import capture_target_features, spec_generate  # noqa: E402
 from modeling_dflash import DFlashDraftModel  # noqa: E402
+from target_families import draft_block_embedding, draft_logits  # noqa: E402
 
 IGNORE = -100
 PUBLISHED_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # notes section 4
@@ -402,11 +403,11 @@ def drafter_loss(draft, target, batch: PackedBatch, weights: torch.Tensor, reduc
     """
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.no_grad():
-        noise_embedding = embed(batch.noise_ids)
+        noise_embedding = draft_block_embedding(draft.config, embed, batch.noise_ids)
     hidden = draft(position_ids=batch.position_ids, noise_embedding=noise_embedding,
                    target_hidden=batch.target_hidden, attention_mask=batch.masks)
     valid = batch.labels != IGNORE
-    logits = head(hidden[valid].to(head.weight.dtype)).float()
+    logits = draft_logits(draft.config, head, hidden[valid]).float()
     labels, slots = batch.labels[valid], batch.slots[valid]
     w = weights.to(logits.device)[slots]
     ce = F.cross_entropy(logits, labels, reduction="none")

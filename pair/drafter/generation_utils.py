@@ -16,7 +16,6 @@ hands them to our loop), so ``spec_generate`` decides exactly what ``generate`` 
 """
 
 import contextlib
-import copy
 import inspect
 import os
 import threading
@@ -42,8 +41,10 @@ from transformers.utils import logging
 
 try:
     from .target_cache import check_target_cache, new_target_cache, recording, restore_linear_states
+    from .target_families import FAMILY as _families
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from target_cache import check_target_cache, new_target_cache, recording, restore_linear_states
+    from target_families import FAMILY as _families
 
 logger = logging.get_logger(__name__)
 
@@ -228,11 +229,7 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
 
 def _decoder_parts(target):
     """(decoder layers, final norm) of a causal LM, via the public ``get_decoder()``."""
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
-    layers, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
-    if layers is None or norm is None:
-        raise ValueError(f"cannot find decoder `layers` and final `norm` on {type(target).__name__}.get_decoder()")
-    return layers, norm
+    return _families.decoder_parts(target)
 
 
 
@@ -248,6 +245,14 @@ class _Taps:
         self.by_thread = {}  # thread id -> list of stores (dict layer id -> tensor)
         modules = [*layers[:-1], norm]  # layer id k = output of layer k; the last one after the final norm
         self.handles = [m.register_forward_hook(self._hook(k)) for k, m in enumerate(modules)]
+        self.handles.append(target.register_forward_pre_hook(self._record_shape, with_kwargs=True))
+
+    def _record_shape(self, module, args, kwargs):
+        """(batch, length) of the forward's input, for the tap check (``target_families.check_tap``)."""
+        for store in self.by_thread.get(threading.get_ident(), ()):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            ids = kwargs.get("inputs_embeds") if ids is None else ids
+            store["shape"] = tuple(ids.shape[:2])
 
     def _hook(self, k):
         def hook(module, args, output):
@@ -265,7 +270,7 @@ _TAPS = weakref.WeakKeyDictionary()  # target -> _Taps, only while some capture 
 
 
 @contextlib.contextmanager
-def capture_target_features(target, layer_ids):
+def capture_target_features(target, layer_ids, device=None):
     """Capture the outputs of target layers ``layer_ids`` during forwards inside the ``with`` block.
 
     Layer id ``k`` is the OUTPUT of decoder layer ``k`` (HF ``hidden_states[k + 1]``); for the last
@@ -275,10 +280,12 @@ def capture_target_features(target, layer_ids):
     get their own features (the hooks are shared per target and removed when the last capture exits).
 
     Yields a callable ``get() -> (batch, seq, len(layer_ids) * hidden)`` returning the features of the
-    most recent forward, concatenated in ``layer_ids`` order.
+    most recent forward, concatenated in ``layer_ids`` order, each tap moved to ``device`` (the
+    draft's; a target split over several devices gives taps on several devices).
 
     Raises:
-        ValueError: a layer id outside ``[0, num_layers)``.
+        ValueError: a layer id outside ``[0, num_layers)``; a tap that is not ``(batch, seq, hidden)``
+            with the batch and length of the forward's ``input_ids`` (raised by ``get()``).
     """
     layers, _ = _decoder_parts(target)
     bad = [k for k in layer_ids if not 0 <= k < len(layers)]
@@ -291,7 +298,7 @@ def capture_target_features(target, layer_ids):
             taps = _TAPS[target] = _Taps(target)
         taps.by_thread.setdefault(tid, []).append(store)
     try:
-        yield lambda: torch.cat([store[k] for k in layer_ids], dim=-1)
+        yield lambda: _families.concat_taps(store, layer_ids, device)
     finally:
         with _TAPS_LOCK:
             stores = taps.by_thread[tid]
@@ -610,12 +617,6 @@ def _check_is_causal_lm(target):
         raise ValueError(f"target must be a causal LM (an AutoModelForCausalLM), got {type(target).__name__}")
 
 
-def _has_sliding_layers(target) -> bool:
-    cfg = target.config.get_text_config()
-    return "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or bool(
-        getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None))
-
-
 def _prepare_inputs(input_ids, attention_mask, vocab_size):
     """Validate ``input_ids`` ``(B, L)`` (any integer dtype, returned as int64) and the left-padding
     ``attention_mask``; returns ``(input_ids, mask)``."""
@@ -851,8 +852,9 @@ def spec_generate(
     (left padding, drafts it rejected while another row accepted more) are masked out of attention
     by the 2-D attention mask, and RoPE uses the explicit positions, so each row computes exactly
     what it computes alone, up to floating-point summation order. Finished rows are dropped from
-    the caches. Holes would shift a sliding-window target's window (transformers windows count
-    cache slots), so batches of sliding-window targets are refused; the draft's own sliding layers
+    the caches. On sliding-window targets transformers counts the window in cache slots, which holes
+    would shift, so those forwards get explicit 4-D masks counting it in true positions
+    (``target_families.window_masks``); the draft's own sliding layers
     take key positions from the mask and stay exact. Linear-attention layers of hybrid targets keep
     one state per row, unaffected by left padding (transformers zeroes padded inputs in the prefill)
     and replayed per row after each verify (``target_cache.HybridCache``).
@@ -865,9 +867,11 @@ def spec_generate(
             contrastive search, guidance, other speculative methods, attentions/hidden states,
             token healing), recurrent-state targets outside ``target_cache.HYBRID_FAMILIES`` (or on a
             transformers version without linear-attention cache layers, e.g. Qwen3-Next on 4.57),
-            sliding-window targets with batch > 1.
+            families refused by name (``target_families``), a call that would cross a
+            ``dynamic``/``longrope`` RoPE switch (no budget: any such target).
     """
     _check_is_causal_lm(target)
+    _families.check_family(target)
     vocab = target.get_input_embeddings().weight.shape[0]
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask, vocab)
     _warn_unmasked_left_padding(input_ids, attention_mask, (generation_config or target.generation_config).pad_token_id)
@@ -925,15 +929,11 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     bsz = input_ids.shape[0]
     if bsz > 1 and streamer is not None:
         raise ValueError(f"streamer supports batch size 1, got batch {bsz}")
-    if bsz > 1 and _has_sliding_layers(target):
-        raise NotImplementedError(
-            "batched spec_generate with a sliding-window target is not exact (cache holes shift its window); "
-            "run the prompts one at a time"
-        )
-    device = target.get_input_embeddings().weight.device
+    device = _families.execution_device(target, input_ids)
     input_ids = input_ids.to(device)
     mask = torch.ones_like(input_ids) if mask is None else mask.to(device=device, dtype=torch.long)
     stops = _Stops(criteria, input_ids.shape[1])
+    _families.check_rope(target, input_ids.shape[1], stops.budget if stops.budget is not None else 1 << 40)
     want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
     return_dict = bool(config.return_dict_in_generate)
     sampling = _Sampling(processors if processors is not None else LogitsProcessorList(), bool(config.do_sample),
@@ -948,7 +948,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     out = _empty_output(input_ids)
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
                recorder=_Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None)
-    with capture_target_features(target, draft.config.target_layer_ids) as features:
+    with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
         _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings, run)
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
@@ -992,10 +992,11 @@ def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, sta
         cached = draft_valid if draft_valid is not None else ctx.valid.new_ones(bsz, draft_cache.get_seq_length())
         key_valid = torch.cat([cached, ctx.valid, ctx.valid.new_ones(bsz, b)], dim=1)
     kept = draft_cache.get_seq_length() + ctx.features.shape[1]
-    hidden = draft(position_ids=torch.cat([ctx.positions, block_pos], dim=1), noise_embedding=embed(noise),
+    noise_embedding = _families.draft_block_embedding(draft.config, embed, noise)
+    hidden = draft(position_ids=torch.cat([ctx.positions, block_pos], dim=1), noise_embedding=noise_embedding,
                    target_hidden=ctx.features, past_key_values=draft_cache, use_cache=True, attention_mask=key_valid)
     crop_cache(draft_cache, kept)  # block K/V are thrown away
-    return head(hidden[:, 1:].to(head.weight.dtype))
+    return _families.draft_logits(draft.config, head, hidden[:, 1:])
 
 
 @dataclass
@@ -1087,12 +1088,19 @@ def _prefill_commit(run, first, scores, logits):
     return torch.tensor(done, device=first.device)
 
 
-def _forward_target(target, cache_kw, cache, tokens, positions, valid):
-    """Target logits ``(A, n, V)`` for ``tokens`` at ``positions``, over cache slots marked ``valid``."""
-    mask = None if bool(valid.all()) else torch.cat([valid, valid.new_ones(tokens.shape)], dim=1)
-    with recording(cache):  # hybrid targets: snapshot + inputs of the linear-attention mixers
+def _forward_target(target, cache_kw, cache, tokens, positions, valid, windows, tokens_valid=None, record=True,
+                    **extra):
+    """Target logits ``(A, n, V)`` for ``tokens`` at ``positions``, over cache slots marked ``valid``.
+
+    Slots a row does not own are masked; on sliding-window targets the mask also counts each
+    window in true positions (``target_families.target_mask``), so holes never shift it. Hybrid
+    targets record the linear-attention mixers' inputs for the rollback (``target_cache.recording``),
+    except in the prefill (``record=False``), which is never rolled back."""
+    tokens_valid = torch.ones_like(tokens) if tokens_valid is None else tokens_valid
+    mask = _families.target_mask(target, windows, tokens_valid, positions, valid)
+    with recording(cache) if record else contextlib.nullcontext():  # hybrid: snapshot + mixer inputs
         return target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                      **{cache_kw: cache}).logits
+                      **extra, **{cache_kw: cache}).logits
 
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
@@ -1107,10 +1115,10 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
 
     # Prefill: each row's first token becomes its first anchor.
     positions = (prompt_mask.cumsum(1) - 1).clamp_min(0)  # true positions under left padding
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
-    logits = target(input_ids=input_ids, position_ids=positions, use_cache=True, **extra,
-                    attention_mask=None if bool(prompt_mask.all()) else prompt_mask,
-                    **{cache_kw: target_cache}).logits
+    windows = _families.layer_windows(target)
+    extra = _families.prefill_kwargs(target, inspect.signature(target.forward).parameters)
+    logits = _forward_target(target, cache_kw, target_cache, input_ids, positions, prompt_mask[:, :0], windows,
+                             prompt_mask, record=False, **extra)
     first, scores = sampling.first(logits[:, -1], input_ids)
     out.num_target_forwards, out.num_draft_forwards = 1, 0
     rows = _Rows(ids=torch.arange(bsz, device=device), anchor=first[:, None], start=prompt_mask.sum(1),
@@ -1137,7 +1145,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
             rows.context_drafted(draft_cache.get_seq_length())
             out.num_draft_forwards += 1
         positions = rows.start[:, None] + torch.arange(b, device=device)
-        logits = _forward_target(target, cache_kw, target_cache, block, positions, rows.target_valid)
+        logits = _forward_target(target, cache_kw, target_cache, block, positions, rows.target_valid, windows)
         out.num_target_forwards += 1
         accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
         committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor

@@ -78,11 +78,13 @@ try:
     from .generation_utils import spec_generate as _spec_generate
     from .generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
     from .target_cache import HYBRID_FAMILIES  # noqa: F401
+    from .target_families import draft_block_embedding, draft_logits
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from configuration_dflash import DFlashConfig
     from generation_utils import spec_generate as _spec_generate
     from generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
     from target_cache import HYBRID_FAMILIES  # noqa: F401
+    from target_families import draft_block_embedding, draft_logits
 if __package__:
     _record_sibling_sources()
 
@@ -591,4 +593,4 @@ def _folder_own_class(cls, pretrained_model_name_or_path, kwargs):
 DFlashConfig.register_for_auto_class()
 DFlashDraftModel.register_for_auto_class("AutoModel")
 
-__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig"]
+__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig", "draft_block_embedding", "draft_logits"]

@@ -1,0 +1,311 @@
+"""What ``spec_generate`` needs to know about a target family, found through public accessors.
+
+One place for every family rule (notes sections 3 and 7):
+
+* the decoder layers and final norm (``get_decoder()``), for the taps; families whose layers do not
+  return ``(B, T, H)`` states (Gemma-3n's AltUp stacks) are refused by name;
+* every tap checked to be ``(B, T, H)`` with the T of the forward that produced it;
+* prefill arguments (Gemma 4 with KV-shared layers must not get ``logits_to_keep``: it then runs its
+  KV-shared layers on the last position only and the taps lose their length);
+* sliding windows in every config spelling, and exact 4-D attention masks that count the window in
+  TRUE positions, so ragged batches with cache holes keep each row's window;
+* RoPE whose frequencies depend on the longest position of a forward (``dynamic``, ``longrope``):
+  refused before any forward once a verify block could reach the switch;
+* the execution device of an accelerate-offloaded target, and taps moved to the draft's device.
+"""
+
+import sys
+
+import torch
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+# Families whose decoder layers do not return (B, T, H) hidden states; name -> reason.
+_REFUSED_FAMILIES = {
+    "gemma3n": "Gemma-3n decoder layers return AltUp-stacked (altup_num_inputs, B, T, H) states and its "
+               "reported hidden states are a projection of them, which a DFlash draft was never trained on",
+    "gemma3n_text": "Gemma-3n decoder layers return AltUp-stacked (altup_num_inputs, B, T, H) states",
+}
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def text_config(target):
+    """The text config of ``target`` (``get_text_config()`` on wrappers such as Gemma 4 / Qwen-VL)."""
+    cfg = target.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def check_family(target) -> None:
+    """Raise NotImplementedError naming the family when its layers cannot be tapped exactly."""
+    for cfg in (target.config, text_config(target)):
+        kind = getattr(cfg, "model_type", None)
+        if kind in _REFUSED_FAMILIES:
+            raise NotImplementedError(f"target family {kind!r} is not supported by spec_generate: {_REFUSED_FAMILIES[kind]}")
+    chunk = getattr(text_config(target), "attention_chunk_size", None)
+    if chunk:
+        raise NotImplementedError(
+            f"target uses chunked attention (attention_chunk_size={chunk}, Llama-4 style); spec_generate does not "
+            "build chunked masks")
+
+
+def decoder_parts(target):
+    """``(decoder layers, final norm)`` via the public ``get_decoder()`` (wrappers return their text model).
+
+    Raises:
+        ValueError: no ``layers`` / ``norm`` on the decoder.
+    """
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
+    layers, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
+    if layers is None or norm is None:
+        raise ValueError(f"cannot find decoder `layers` and final `norm` on {type(target).__name__}.get_decoder()")
+    return layers, norm
+
+
+def check_tap(layer_id: int, state: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Return ``state`` if it is ``(batch, length, H)``; else raise ValueError naming the layer and shapes.
+
+    Catches families that slice or stack inside the decoder (Gemma 4 KV-shared layers under
+    ``logits_to_keep``, Gemma-3n AltUp), which would otherwise fail later in ``torch.cat`` or, worse,
+    broadcast silently.
+    """
+    if not torch.is_tensor(state) or state.dim() != 3 or tuple(state.shape[:2]) != (batch, length):
+        shape = tuple(state.shape) if torch.is_tensor(state) else type(state).__name__
+        raise ValueError(
+            f"target layer {layer_id} returned hidden states of shape {shape}, expected ({batch}, {length}, hidden): "
+            "this target family's layers cannot be tapped as DFlash expects")
+    return state
+
+
+def concat_taps(store: dict, layer_ids, device=None) -> torch.Tensor:
+    """``(B, T, len(layer_ids) * H)``: the taps of ``store`` (layer id -> state, ``"shape"`` -> the
+    forward's ``(B, T)``) checked with [`check_tap`], moved to ``device``, concatenated in order."""
+    batch, length = store["shape"]
+    taps = [check_tap(k, store[k], batch, length) for k in layer_ids]
+    return torch.cat([t if device is None else t.to(device) for t in taps], dim=-1)
+
+
+def prefill_kwargs(target, forward_params) -> dict:
+    """``logits_to_keep=1`` where the forward takes it and it does not shorten any tap."""
+    if "logits_to_keep" not in forward_params:
+        return {}
+    if getattr(text_config(target), "num_kv_shared_layers", 0):  # Gemma 4: slices its KV-shared layers too
+        return {}
+    return {"logits_to_keep": 1}
+
+
+# ----------------------------------------------------------------------------- sliding windows
+
+
+def layer_windows(target) -> dict:
+    """``{layer_type: window or None}`` for the attention kinds of the target, in any config spelling.
+
+    * ``layer_types`` with ``sliding_attention`` + ``sliding_window`` (Gemma 2/3/4, gpt-oss, Cohere2,
+      Qwen2/Qwen3 with ``use_sliding_window`` on 5.x);
+    * ``sliding_window`` alone (Mistral, Phi-3, Mixtral, Starcoder2: every layer slides);
+    * ``use_sliding_window`` + ``max_window_layers`` (Qwen2 on 4.57, whose config also fills
+      ``layer_types``); ``use_sliding_window=False`` switches the window off.
+    Returns ``{}`` when no layer slides. Window convention: key visible iff ``q - k < window``
+    (transformers' ``sliding_window_overlay``).
+    """
+    cfg = text_config(target)
+    window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", True) is False or not window:
+        return {}
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return {t: (window if t == SLIDING else None) for t in set(types)} if SLIDING in types else {}
+    return {None: int(window)}  # one mask for every layer
+
+
+def sliding_target(target) -> bool:
+    return bool(layer_windows(target))
+
+
+def window_masks(windows: dict, q_pos, k_pos, key_valid, dtype):
+    """Additive 4-D masks ``(B, 1, Q, K)`` counting causality and windows in TRUE positions.
+
+    Args:
+        windows: from [`layer_windows`]; key ``None`` means one mask for all layers.
+        q_pos: ``(B, Q)`` positions of the queries; k_pos/key_valid: ``(B, K)`` positions and validity
+            of every key (cache slots followed by the queries).
+        dtype: the target's float dtype (0 = attend, dtype min = masked; never -inf, so a fully
+            masked padding query stays finite).
+
+    Returns a tensor (``windows`` keyed by None) or ``{layer_type: tensor}`` (models with
+    ``layer_types`` read such a dict as their precomputed mask mapping).
+    """
+    diff = q_pos[:, :, None] - k_pos[:, None, :]  # (B, Q, K)
+    base = key_valid[:, None, :].bool() & (diff >= 0)
+    low = torch.finfo(dtype).min
+    out = {}
+    for kind, window in windows.items():
+        visible = base if window is None else base & (diff < window)
+        out[kind] = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, low)[:, None]
+    return out[None] if None in out else out
+
+
+def target_mask(target, windows, tokens_valid, positions, key_valid):
+    """The ``attention_mask`` argument for a target forward over a cache with holes.
+
+    Args:
+        windows: [`layer_windows`] of the target ({} when nothing slides).
+        tokens_valid: ``(B, n)`` validity of the new tokens; positions ``(B, n)`` their true positions.
+        key_valid: ``(B, cache_len)`` validity of the cached slots (committed slots in order).
+
+    Returns None when every slot is valid (the model builds its own mask, as in ``generate``), the
+    2-D ``(B, cache_len + n)`` validity mask for targets without windows, else [`window_masks`].
+    """
+    valid = torch.cat([key_valid, tokens_valid], dim=1)
+    if bool(valid.all()):
+        return None
+    if not windows:
+        return valid
+    if str(getattr(target.config, "_attn_implementation", "")).startswith("flash"):
+        raise NotImplementedError(
+            "a ragged batch on a sliding-window target needs explicit 4-D masks, which flash-attention does not "
+            "take; load the target with attn_implementation='sdpa' or 'eager', or run the prompts one at a time")
+    k_pos = valid.long().cumsum(1) - 1  # true position of every committed slot
+    dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), torch.float32)
+    return window_masks(windows, positions, k_pos, valid, dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def _rope_entries(cfg):
+    """Every RoPE parameter dict of the config (5.x ``rope_parameters``, per layer type or not; 4.x ``rope_scaling``)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        return list(params.items())
+    return [(None, params)] if isinstance(params, dict) else []
+
+
+def rope_switch(target):
+    """``(rope_type, first_position)`` of the earliest position-dependent RoPE switch, or None.
+
+    ``dynamic``: frequencies recomputed once ``max(position_ids) + 1 > max_position_embeddings``
+    (``dynamic_rope_update``). ``longrope``: long factors once it exceeds
+    ``original_max_position_embeddings``. ``first_position`` is the first position index whose
+    forward uses the switched frequencies.
+    """
+    cfg = text_config(target)
+    found = []
+    for layer_type, params in _rope_entries(cfg):
+        kind = params.get("rope_type", params.get("type"))
+        if kind == "dynamic":
+            found.append((kind, int(cfg.max_position_embeddings), layer_type))
+        elif kind == "longrope":
+            limit = params.get("original_max_position_embeddings") or getattr(
+                cfg, "original_max_position_embeddings", None) or cfg.max_position_embeddings
+            found.append((kind, int(limit), layer_type))
+    if not found:
+        return None
+    kind, limit, _ = min(found, key=lambda f: f[1])
+    return kind, limit
+
+
+def check_rope(target, prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse, before any forward, a call whose verify blocks could cross a position-dependent RoPE switch.
+
+    ``generate`` feeds one position per step, so a ``dynamic``/``longrope`` target computes each
+    position with the frequencies of its own length; a verify block computes several positions with
+    those of its LAST one (and Phi-3's ``generate`` re-prefills at the ``longrope`` switch). Below the
+    switch both agree exactly. The highest position any forward sees is
+    ``prompt_len + max_new_tokens - 2``.
+
+    Raises:
+        NotImplementedError: naming the RoPE type, the switch and the first position that would diverge.
+    """
+    switch = rope_switch(target)
+    if switch is None or max_new_tokens < 2:
+        return
+    kind, first = switch
+    last = prompt_len + max_new_tokens - 2
+    if last >= first:
+        raise NotImplementedError(
+            f"target RoPE type {kind!r} changes its frequencies from position {first} on (sequence length > {first}); "
+            f"this call would reach position {last}, and a verify block there would not match generate. Keep "
+            f"prompt_len + max_new_tokens <= {first + 1} (here {prompt_len} + {max_new_tokens})")
+
+
+# ----------------------------------------------------------------------------- draft embedding / logits
+
+
+def draft_block_embedding(config, embed, ids: torch.LongTensor) -> torch.Tensor:
+    """The embedding of the block ``[anchor, MASK, ...]`` fed to the draft: ``(B, b)`` ids -> ``(B, b, H)``.
+
+    Convention (one function, used by ``spec_generate`` and ``train/`` alike): the RAW row of the
+    target's input-embedding table times ``config.input_embedding_scale`` (default 1.0), never the
+    output of an embedding module that scales inside ``forward``. This is what the authors' code does
+    for every drafter, the published Gemma-4 one included (z-lab/dflash ``dflash/model.py``,
+    ``_raw_input_embeddings``: ``F.embedding(input_ids, target.get_input_embeddings().weight) * scale``
+    with ``scale = input_embedding_scale`` defaulting to 1.0) and what vLLM's DFlash drafter feeds (its
+    ``embed_input_ids`` reads the shared, unscaled ``embed_tokens``; Gemma's normaliser lives in the
+    Gemma model's forward). For targets whose embedding module does not scale (Qwen, Llama, Gemma 2)
+    this equals ``target.get_input_embeddings()(ids)``; for Gemma 3/4 (``*ScaledWordEmbedding``
+    multiplies by ``sqrt(hidden_size)``) it does not, and transformers 5.24's own DFlash candidate
+    generator (which feeds the module output) differs from the authors' drafters there.
+
+    An accelerate-offloaded table (weight on ``meta``) is brought in with the module's own hook
+    (``pre_forward`` / ``post_forward``), so the raw row is read exactly.
+    """
+    scale = getattr(config, "input_embedding_scale", None)
+    weight, hook = embed.weight, getattr(embed, "_hf_hook", None)
+    if weight.device.type == "meta" and hook is not None:
+        hook.pre_forward(embed, ids)
+        try:
+            rows = torch.nn.functional.embedding(ids.to(embed.weight.device), embed.weight)
+        finally:
+            hook.post_forward(embed, None)
+    else:
+        rows = torch.nn.functional.embedding(ids.to(weight.device), weight)
+    return rows if scale is None else rows * scale
+
+
+def draft_logits(config, head, hidden: torch.Tensor) -> torch.Tensor:
+    """Draft logits ``(B, n, V)`` from final draft states ``(B, n, H)``: ``head(h)``, times
+    ``config.output_multiplier``, then soft-capped ``cap * tanh(logits / cap)`` with
+    ``config.final_logit_softcapping`` (each step only when the drafter config sets it; the keys
+    engines read on drafter configs, notes section 7)."""
+    logits = head(hidden.to(head.weight.dtype))
+    multiplier = getattr(config, "output_multiplier", None)
+    if multiplier is not None:
+        logits = logits * multiplier
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def execution_device(target, input_ids) -> torch.device:
+    """Where the target's forward takes its inputs, as ``generate`` leaves them.
+
+    An accelerate-dispatched embedding (``device_map`` with CPU/disk offload) reports its
+    ``_hf_hook.execution_device``; otherwise the embedding weight's device, unless it is ``meta``
+    (offloaded), in which case the input stays where the caller put it.
+    """
+    embed = target.get_input_embeddings()
+    hook = getattr(embed, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    weight = embed.weight
+    return input_ids.device if weight.device.type == "meta" else weight.device
+
+
+def draft_device(draft) -> torch.device:
+    return draft.fc.weight.device
+
+
+# This module itself, so siblings can write ``from .target_families import FAMILY``: the Hub's
+# remote-code scanner follows only ``from .name import ...`` relative imports.
+FAMILY = sys.modules[__name__]
+
+__all__ = [
+    "FAMILY", "concat_taps", "draft_block_embedding", "draft_logits",
+    "check_family", "check_rope", "check_tap", "decoder_parts", "draft_device", "execution_device",
+    "layer_windows", "prefill_kwargs", "rope_switch", "sliding_target", "target_mask", "text_config",
+    "window_masks",
+]
