@@ -179,10 +179,13 @@ def _load_target(args, device):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    looks_local = args.target.startswith((".", "/", "~")) or args.target.count("/") > 1 or os.sep + os.sep in args.target
+    if looks_local and not Path(args.target).expanduser().is_dir():
+        raise UsageError(f"the target folder {args.target} does not exist (pass a folder or a Hub id to --target)")
     try:
         tok = AutoTokenizer.from_pretrained(args.target)
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # missing / unreachable id, not a causal LM, unreadable files
         raise UsageError(f"cannot load the target {args.target!r}: {str(e).splitlines()[0]}") from e
     return tok, target.to(device).eval().requires_grad_(False)
 
