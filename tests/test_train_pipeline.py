@@ -129,17 +129,19 @@ def test_chat_jsonl_streamed_rendered_with_thinking_switch_and_response_only_los
 
 
 def test_tau_and_per_slot_acceptance_definitions(monkeypatch):
-    class Out:  # two rows: 7 and 4 new tokens over 3 and 2 verify steps (block size 4)
-        num_new_tokens = [7, 4]
+    class Out:  # two rows: 7 and 4 new tokens over 3 and 2 verify steps (block size 4); the last step of
+        num_new_tokens = [7, 4]  # row 2 drafted one slot only (token budget)
         row_acceptance_lengths = [[4, 1, 1], [2, 1]]
+        row_draft_lengths = [[3, 3, 3], [3, 1]]
+        row_accepted_drafts = [[3, 0, 0], [1, 0]]
 
     monkeypatch.setattr(evaluate, "spec_generate", lambda *a, **k: Out())
     draft = torch.nn.Linear(1, 1)
     draft.config = type("C", (), {"block_size": 4})()
     st = evaluate.acceptance_stats(draft, None, [torch.zeros(1, 3)], 8)
     assert st["tau"] == ((7 - 1) + (4 - 1)) / 5  # pooled: sum(new - 1) / sum(steps)
-    # slot k: steps accepting >= k draft tokens / steps drafting slot k (all 5)
-    assert st["acceptance_slot"] == [2 / 5, 1 / 5, 1 / 5]
+    # slot k: steps accepting >= k draft tokens / steps drafting slot k (5 for slot 1, 4 for slots 2, 3)
+    assert st["acceptance_slot"] == [2 / 5, 1 / 4, 1 / 4]
 
 
 def test_cli_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):

@@ -6,7 +6,9 @@ Definitions (greedy decoding, one verify step = one target forward after the pre
 * tau = ``sum_rows (new_tokens - 1) / sum_rows verify_steps``: the prefill's first token is not counted,
   every other new token came out of a verify step (accepted draft tokens + the bonus token).
 * per-slot acceptance ``k`` (1 <= k < block_size) = verify steps that accepted at least ``k`` draft tokens /
-  verify steps that drafted slot ``k``.
+  verify steps that drafted slot ``k`` (a step near the token budget drafts fewer slots).
+
+These are the definitions of ``DFlashGenerateOutput.tau`` / ``slot_acceptance()``, pooled over prompts.
 """
 from __future__ import annotations
 
@@ -27,19 +29,22 @@ def acceptance_stats(draft, target, prompt_ids: list[torch.Tensor], max_new_toke
     """
     was_training = draft.training
     draft.eval()
-    B = block_size or draft.config.block_size
-    new, steps, lengths = 0, 0, []
+    new, steps, drafted, accepted = 0, 0, [], []
     try:
         for ids in prompt_ids:
             out = spec_generate(draft, target, ids, max_new_tokens=max_new_tokens, temperature=0.0,
                                 block_size=block_size, stop_token_ids=stop_token_ids, return_dict_in_generate=True)
             for n_new, row in zip(out.num_new_tokens, out.row_acceptance_lengths):
-                new += int(n_new) - 1
+                new += max(int(n_new) - 1, 0)
                 steps += len(row)
-                lengths += list(row)
+            drafted += [d for row in out.row_draft_lengths for d in row]
+            accepted += [a for row in out.row_accepted_drafts for a in row]
     finally:
         draft.train(was_training)
-    slot = [sum(1 for a in lengths if a - 1 >= k) / len(lengths) for k in range(1, B)] if lengths else []
+    slot = []
+    for k in range(1, max(drafted, default=0) + 1):  # the result object's slot_acceptance, pooled over prompts
+        n = sum(d >= k for d in drafted)
+        slot.append(sum(a >= k for a, d in zip(accepted, drafted) if d >= k) / n if n else 0.0)
     return {"tau": new / steps if steps else 0.0, "acceptance_slot": slot, "new_tokens": new, "verify_steps": steps}
 
 
