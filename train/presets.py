@@ -1,0 +1,43 @@
+"""Named flag sets for ``python -m train.train_drafter --preset NAME`` (explicit flags override them).
+
+* ``smoke``: a quick end-to-end run against the shipped ``pair/target`` (a few dozen target responses, a
+  1-layer drafter, a feature cache, an eval with tau): checks an installation in about a minute on CPU.
+* ``pair``: the exact recipe of the shipped ``pair/drafter`` (with ``--reproduce-pair`` it is written
+  back into ``pair/``).
+* ``dflash-b16`` / ``dflash-b10`` / ``dflash-b8``: the published recipe for real targets (DFlash paper,
+  section 4 and appendix): 5 draft layers, 5 target taps spread over the depth, AdamW lr 6e-4, cosine
+  with 4% warmup, grad clip 1.0, 6 epochs, sequences up to 3072 tokens, up to 512 anchors per sequence,
+  loss decay gamma 7 / 5 / 4 for block size 16 / 10 / 8, bf16 mixed precision. They need ``--target`` and
+  ``--data`` (a chat dataset).
+"""
+
+_PUBLISHED = dict(layers=5, target_layer_ids=None, lr=6e-4, warmup_ratio=0.04, min_lr_ratio=0.0, clip=1.0,
+                  epochs=6, max_len=3072, anchors=512, batch=1, grad_accum=8, max_new_tokens=2048,
+                  gen_batch=32, num_eval_prompts=32, eval_tau_prompts=8, eval_max_new_tokens=256,
+                  mixed_precision="bf16", features="live", ckpt_every=1000, eval_every=1000, log_every=20,
+                  sampled_fraction=0.0, init="target", target=None)
+
+PRESETS = {
+    "smoke": dict(target="pair/target", layers=1, block_size=16, target_layer_ids="1,3,5", num_prompts=48,
+                  num_eval_prompts=8, max_new_tokens=48, sampled_fraction=0.25, gen_batch=32, max_len=512,
+                  anchors=8, batch=4, grad_accum=1, epochs=3, lr=3e-3, eval_every=0, eval_tau_prompts=4,
+                  eval_max_new_tokens=32, ckpt_every=6, log_every=3, features="cache", cache_dtype="bfloat16",
+                  threads=1, mixed_precision="no"),
+    "pair": dict(target="pair/target", layers=2, block_size=16, target_layer_ids="1,3,5", num_prompts=960,
+                 num_eval_prompts=48, max_new_tokens=160, sampled_fraction=0.25, gen_batch=48, max_len=512,
+                 anchors=32, batch=6, grad_accum=1, epochs=20, lr=2e-3, max_minutes=30, threads=2, eval_every=150,
+                 eval_tau_prompts=4, eval_max_new_tokens=64, ckpt_every=50, log_every=10, features="cache",
+                 cache_dtype="float32", mixed_precision="no"),
+    "dflash-b16": dict(_PUBLISHED, block_size=16, gamma=7.0),
+    "dflash-b10": dict(_PUBLISHED, block_size=10, gamma=5.0),
+    "dflash-b8": dict(_PUBLISHED, block_size=8, gamma=4.0),
+}
+
+
+def spread_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
+    """``n`` tap layers spread from layer 1 to layer ``L - 3`` (the published Qwen3-8B drafter, 36 layers:
+    ``[1, 9, 17, 25, 33]``). Raises ValueError when the target has fewer than ``n + 3`` layers."""
+    if num_target_layers < n + 3:
+        raise ValueError(f"cannot spread {n} taps over a {num_target_layers}-layer target; pass --target-layer-ids")
+    last = num_target_layers - 3
+    return [1 + round(i * (last - 1) / (n - 1)) for i in range(n)]
