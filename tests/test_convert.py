@@ -23,7 +23,7 @@ from convert_fixtures import (
 )
 from tiny import tiny_target
 
-CODE_FILES = ["configuration_dflash.py", "generation_utils.py", "modeling_dflash.py"]
+CODE_FILES = ["configuration_dflash.py", "generation_utils.py", "modeling_dflash.py", "static_generate.py"]
 OURS = sorted(["config.json", "model.safetensors"] + CODE_FILES)
 
 
@@ -348,7 +348,7 @@ def test_push_dry_run_lists_exactly_the_files(converted, capsys):
     listing, card = text.split("\n----- README.md (generated model card), exactly as it would be uploaded -----\n")
     listed = [line.strip() for line in listing.splitlines()[1:] if line.strip()]
     assert listed == ["README.md (generated model card)"] + OURS
-    assert text.splitlines()[0].startswith("Would upload 6 file(s)")
+    assert text.splitlines()[0].startswith(f"Would upload {len(OURS) + 1} file(s)")
     from model_cards.render import render_model_card
 
     assert card.removesuffix("\n") == str(render_model_card(str(converted), "me/draft", license="mit"))  # the exact card

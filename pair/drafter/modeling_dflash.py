@@ -75,9 +75,11 @@ if __package__:
 try:
     from .configuration_dflash import DFlashConfig
     from .generation_utils import spec_generate as _spec_generate
+    from .static_generate import static_decode as _static_decode  # noqa: F401 (generation_utils imports it lazily)
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from configuration_dflash import DFlashConfig
     from generation_utils import spec_generate as _spec_generate
+    from static_generate import static_decode as _static_decode  # noqa: F401
 if __package__:
     _record_sibling_sources()
 
