@@ -77,12 +77,14 @@ try:
     from .configuration_dflash import DFlashConfig
     from .generation_utils import spec_generate as _spec_generate
     from .generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
-    from .target_cache import HYBRID_FAMILIES  # noqa: F401
+    from .static_generate import static_decode as _static_decode  # noqa: F401 (generation_utils imports it lazily)
+    from .target_cache import HYBRID_FAMILIES  # noqa: F401  (4.57 copies only direct relative imports)
     from .target_families import draft_block_embedding, draft_logits
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from configuration_dflash import DFlashConfig
     from generation_utils import spec_generate as _spec_generate
     from generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
+    from static_generate import static_decode as _static_decode  # noqa: F401
     from target_cache import HYBRID_FAMILIES  # noqa: F401
     from target_families import draft_block_embedding, draft_logits
 if __package__:

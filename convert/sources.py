@@ -29,7 +29,7 @@ from .errors import ConversionError
 # The project's remote-code files: what ``save_pretrained`` copies next to a drafter (the modeling file
 # and its relative imports) and what ``auto_map`` points into.
 REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_utils.py", "target_cache.py",
-                     "target_families.py")
+                     "target_families.py", "static_generate.py")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")

@@ -25,7 +25,7 @@ from convert_fixtures import (
 from tiny import tiny_target
 
 CODE_FILES = ["configuration_dflash.py", "custom_generate/generate.py", "generation_utils.py", "modeling_dflash.py",
-              "target_cache.py", "target_families.py"]
+              "static_generate.py", "target_cache.py", "target_families.py"]
 OURS = sorted(["config.json", "model.safetensors"] + CODE_FILES)
 
 

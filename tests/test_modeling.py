@@ -142,7 +142,8 @@ def test_yarn_and_llama3_rope_match_transformers():
 def test_save_and_load_through_automodel_from_another_directory(tmp_path, monkeypatch):
     target, draft = tiny_target(), tiny_draft()
     draft.save_pretrained(tmp_path / "draft")
-    assert {"configuration_dflash.py", "modeling_dflash.py", "generation_utils.py", "target_cache.py", "config.json",
+    assert {"configuration_dflash.py", "modeling_dflash.py", "generation_utils.py", "target_cache.py",
+            "target_families.py", "static_generate.py", "config.json",
             "model.safetensors"} <= set(os.listdir(tmp_path / "draft"))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -16,6 +16,7 @@ hands them to our loop), so ``spec_generate`` decides exactly what ``generate`` 
 """
 
 import contextlib
+import functools
 import inspect
 import os
 import threading
@@ -26,6 +27,7 @@ from typing import Optional
 
 import torch
 from transformers import (
+    CompileConfig,
     DynamicCache,
     EosTokenCriteria,
     GenerationConfig,
@@ -101,13 +103,15 @@ REFUSED_KEYS = {
 # Accepted and without effect on spec_generate, with the reason.
 NO_EFFECT_KEYS = {
     "use_cache": "spec_generate always caches (a DynamicCache per model)",
-    "cache_implementation": "spec_generate uses DynamicCache for target and draft; generate is told None so "
-                            "that it allocates no static cache",
+    "cache_implementation": "None/'dynamic': a DynamicCache per model; 'static' selects the fixed-shape loop "
+                            "of static_generate.py (batch 1); generate itself is told None so that it "
+                            "allocates no static cache",
     "cache_config": "see cache_implementation",
     "max_cache_len": "see cache_implementation",
     "return_legacy_cache": "the output holds no cache",
     "prefill_chunk_size": "the prompt is prefilled in one pass",
-    "compile_config": "spec_generate does not compile the forward",
+    "compile_config": "with cache_implementation='static' the draft and verify forwards are compiled with it; "
+                      "no effect on the dynamic loop",
     "disable_compile": "spec_generate does not compile the forward",
     "continuous_batching_config": "not a continuous-batching engine",
     "low_memory": "beam/contrastive search only",
@@ -884,6 +888,7 @@ def spec_generate(
     passed = dict(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, top_k=top_k,
                   top_p=top_p, min_p=min_p, return_dict_in_generate=return_dict_in_generate,
                   output_scores=output_scores, output_logits=output_logits)
+    static = _static_request(kwargs, generation_config, target)  # before generate is told cache_implementation=None
     gen_kwargs = _generate_kwargs(passed, kwargs, stop_token_ids, generation_config, target)
     if generation_config is not None:
         _check_refused(generation_config)
@@ -898,7 +903,7 @@ def spec_generate(
     def loop(ids, mask, config, processors, stops):
         return _spec_loop(draft, target, ids, mask, config, processors, stops, block_size=block_size,
                           mask_token_id=mask_token_id, generator=generator, sample_draft=sample_draft,
-                          streamer=streamer, output_timings=output_timings)
+                          streamer=streamer, output_timings=output_timings, static=static)
 
     if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
         if streamer is not None:
@@ -923,7 +928,7 @@ def _empty_output(input_ids):
 
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
-               generator, sample_draft, streamer, output_timings):
+               generator, sample_draft, streamer, output_timings, static=None):
     """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``."""
     _check_refused(config)
     bsz = input_ids.shape[0]
@@ -948,12 +953,59 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     out = _empty_output(input_ids)
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
                recorder=_Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None)
-    with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
-        _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings, run)
+    static_decode = _static_loop(static, target, input_ids, mask, run)
+    if static_decode is not None:  # fixed-shape loop, static_generate.py
+        static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run)
+    else:
+        with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
+            _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
+                    run)
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
         streamer.end()
     return out if return_dict else out.sequences
+
+
+def _static_request(kwargs, generation_config, target):
+    """``(True, compile_config)`` when the call asks for ``cache_implementation="static"`` (the keyword, else
+    the passed ``generation_config``, else the target's), else None. ``compile_config`` (a transformers
+    ``CompileConfig`` or None: uncompiled) is resolved the same way.
+
+    Raises ValueError for a ``cache_implementation`` other than None, "dynamic" or "static", or a
+    ``compile_config`` that is not a ``CompileConfig``, before any work."""
+    configs = [c for c in (generation_config, target.generation_config) if c is not None]
+
+    def pick(name):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+        return next((getattr(c, name) for c in configs if getattr(c, name, None) is not None), None)
+
+    cache_implementation, compile_config = pick("cache_implementation"), pick("compile_config")
+    if compile_config is not None and not isinstance(compile_config, CompileConfig):
+        raise ValueError(f"compile_config must be a transformers CompileConfig, got {type(compile_config).__name__}")
+    if cache_implementation in (None, "dynamic"):
+        return None
+    if cache_implementation != "static":
+        raise ValueError(f"cache_implementation={cache_implementation!r} is not supported; use 'dynamic' or 'static'")
+    return True, compile_config
+
+
+def _static_loop(static, target, input_ids, mask, run):
+    """``static_generate.static_decode`` (``compile_config`` bound) when the static loop was asked for
+    and applies to this call, else None: the dynamic loop, with one info log saying why."""
+    if static is None:
+        return None
+    try:  # `from .x import` (not `from . import x`): the pattern transformers copies remote code by
+        from .static_generate import log_fallback, static_decode, static_unsupported_reason
+    except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+        from static_generate import log_fallback, static_decode, static_unsupported_reason
+    reason = static_unsupported_reason(target, input_ids, mask)
+    if reason is None and (run.history is not None or run.recorder is not None):
+        reason = "prefix-dependent processors, custom stopping criteria and output_scores/logits are dynamic-only"
+    if reason is not None:
+        log_fallback(reason)
+        return None
+    return functools.partial(static_decode, compile_config=static[1])
 
 
 def _eos_list(config) -> list:

@@ -1,0 +1,300 @@
+"""One prepared GPU check: exactness on CUDA, the cost ratio c per path, syncs per step. Run by gpu_check.sh.
+
+Prints one JSON line after every measurement (so a run cut short still leaves figures):
+
+* ``versions``: python, torch, transformers, device.
+* ``exactness`` (a): the shipped pair (pair/target + pair/drafter), sdpa, bf16 and fp16 (fp32 in the
+  dry run), greedy ``spec_generate`` against ``target.generate(do_sample=False)``: first the dynamic
+  path and the uncompiled static path, and, at the end of the run (compiling takes the longest),
+  the compiled static path; at the first divergence, the target's top-1 minus top-2 logit there (a
+  near-tie is a rounding divergence, not a wrong token).
+* ``compile``: the static path's first call (compiling) and second call, and their difference.
+* ``speed`` (b): Qwen3-8B shape with random weights built directly on the GPU in bf16; for the
+  default (dynamic) path at block 8 and 16 and the static compiled path at block 16, each with a
+  random draft (tau about 1) and an oracle draft (full acceptance; the real draft forward still runs,
+  then its logits are replaced by the target's own greedy tokens): ``c = seconds per verify step /
+  seconds per token of plain target decoding`` (``target.generate``, dynamic cache), tau, peak memory.
+* ``syncs`` (c): host-device synchronisations of spec_generate steps under
+  ``torch.cuda.set_sync_debug_mode("warn")`` (one warning per sync), per verify step.
+
+``--dry-run``: the same code on CPU at a tiny shape in fp32, the static path uncompiled (the compiled
+path is tested on CPU by tests/test_static_generate.py), so a typo fails in CI rather than on the GPU.
+Sync counting needs CUDA and reports ``cuda: false`` there. No figure here has been measured on a GPU yet.
+"""
+
+import argparse
+import json
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import generation_utils  # noqa: E402
+import static_generate  # noqa: E402
+from configuration_dflash import DFlashConfig  # noqa: E402
+from modeling_dflash import DFlashDraftModel  # noqa: E402
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+DRAFT_8B = dict(num_hidden_layers=5, target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36)  # notes sec. 2
+TINY = dict(vocab_size=211, hidden_size=64, rms_norm_eps=1e-6, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False)
+DRAFT_TINY = dict(num_hidden_layers=1, target_layer_ids=[0, 3], num_target_layers=4)
+
+
+def static_name(compile_config):
+    return "static" if compile_config is None else "static_compiled"
+
+
+def emit(**record):
+    print(json.dumps(record), flush=True)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def peak_gib(device):
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# ----------------------------------------------------------------------------- (a) exactness
+
+
+def first_divergence_margin(target, ref, out, prompt_len):
+    """(index of the first differing new token or None, top-1 minus top-2 target logit there)."""
+    n = min(ref.shape[1], out.shape[1])
+    diff = (ref[0, :n] != out[0, :n]).nonzero()
+    if len(diff) == 0 and ref.shape == out.shape:
+        return None, None
+    i = int(diff[0, 0]) if len(diff) else n
+    with torch.no_grad():
+        logits = target(ref[:, :i]).logits[0, -1].float()
+    top = logits.topk(2).values
+    return i - prompt_len, float(top[0] - top[1])
+
+
+def check_exactness(device, dtypes, static_config, new_tokens, n_prompts):
+    """Greedy equality against ``target.generate`` on the shipped pair: the dynamic path, and the
+    static path with ``static_config`` (None: uncompiled)."""
+    tok = AutoTokenizer.from_pretrained(ROOT / "pair" / "target")
+    prompts = [p["prompt"] for p in json.loads((ROOT / "pair" / "heldout_prompts.json").read_text())][:n_prompts]
+    for dtype in dtypes:
+        target = AutoModelForCausalLM.from_pretrained(ROOT / "pair" / "target", dtype=dtype,
+                                                      attn_implementation="sdpa").to(device).eval()
+        draft = DFlashDraftModel.from_pretrained(ROOT / "pair" / "drafter", dtype=dtype).to(device).eval()
+        paths = {static_name(static_config): dict(cache_implementation="static", compile_config=static_config)}
+        if static_config is None:
+            paths = {"dynamic": {}, **paths}
+        for k, text in enumerate(prompts):
+            ids = tok(text, return_tensors="pt").input_ids.to(device)
+            ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
+            for name, kwargs in paths.items():
+                out = draft.spec_generate(target, ids, max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=[],
+                                          return_dict_in_generate=True, **kwargs)
+                at, margin = first_divergence_margin(target, ref, out.sequences, ids.shape[1])
+                tie = 8 * torch.finfo(dtype).eps * 30  # a few units of rounding at logit magnitude ~30
+                emit(check="exactness", dtype=str(dtype).split(".")[-1], path=name, prompt=k, equal=at is None,
+                     first_divergence=at, logit_margin=margin, ok=at is None or (margin is not None and margin <= tie),
+                     tau=round(sum(out.acceptance_lengths) / max(len(out.acceptance_lengths), 1), 3))
+        del target, draft
+
+
+# ----------------------------------------------------------------------------- (b) speed
+
+
+def build_pair(device, dtype, shape, draft_shape, block_size):
+    """Random target and draft built directly on ``device`` in ``dtype`` (no CPU init)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            target = Qwen3ForCausalLM(Qwen3Config(**shape, attn_implementation="sdpa")).eval()
+            draft_cfg = DFlashConfig(**{k: shape[k] for k in ("vocab_size", "hidden_size", "num_attention_heads",
+                                                                "num_key_value_heads", "head_dim", "rms_norm_eps")},
+                                     intermediate_size=shape["intermediate_size"], block_size=block_size,
+                                     mask_token_id=shape["vocab_size"] - 1, **draft_shape)
+            draft = DFlashDraftModel(draft_cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    return target, draft
+
+
+class Oracle:
+    """Replaces the draft's logits (after the real draft forward ran) by the target's greedy tokens,
+    indexed on the device (no sync): full acceptance up to rounding."""
+
+    def __init__(self, ref):
+        self.ref = ref[0]  # (prompt + new,) on the device
+        self.saved = []
+
+    def logits(self, start, b, vocab):
+        idx = (start.reshape(1) + torch.arange(1, b, device=start.device)).clamp_max(self.ref.shape[0] - 1)
+        return torch.nn.functional.one_hot(self.ref[idx], vocab).float()[None] * 30
+
+    def __enter__(self):
+        dyn, sta = generation_utils._draft_logits, static_generate._draft_logits
+
+        def fake_dynamic(draft, embed, head, anchor, ctx, cache, valid, start, b, mask_token_id):
+            real = dyn(draft, embed, head, anchor, ctx, cache, valid, start, b, mask_token_id)
+            return self.logits(start, b, real.shape[-1])
+
+        def fake_static(fn, draft, embed, head, anchor, features, n_ctx, cache, b, mask_token_id):
+            real = sta(fn, draft, embed, head, anchor, features, n_ctx, cache, b, mask_token_id)
+            return self.logits(cache.length, b, real.shape[-1])
+
+        self.saved = [(generation_utils, "_draft_logits", dyn), (static_generate, "_draft_logits", sta)]
+        generation_utils._draft_logits, static_generate._draft_logits = fake_dynamic, fake_static
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, fn in self.saved:
+            setattr(module, name, fn)
+
+
+def plain_decode_s_per_token(target, ids, new_tokens, device):
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens)
+    target.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+    t0 = sync(device)
+    short = target.generate(ids, **{**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})
+    t1 = sync(device)
+    ref = target.generate(ids, **kwargs)
+    t2 = sync(device)
+    return ((t2 - t1) - (t1 - t0)) / (new_tokens - 1), ref, short
+
+
+def spec_step_s(draft, target, ids, new_tokens, block_size, device, **kwargs):
+    out = draft.spec_generate(target, ids, max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=[],
+                              block_size=block_size, output_timings=True, return_dict_in_generate=True, **kwargs)
+    steps = out.num_target_forwards - 1
+    return out.timings["decode_s"] / max(steps, 1), out
+
+
+def check_speed(device, dtype, shape, draft_shape, prompt_len, new_tokens, compile_config, sync_tokens):
+    target, draft = build_pair(device, dtype, shape, draft_shape, block_size=16)
+    ids = torch.randint(0, shape["vocab_size"] - 1, (1, prompt_len), device=device,
+                        generator=torch.Generator(device).manual_seed(0))
+    plain_s, ref, _ = plain_decode_s_per_token(target, ids, new_tokens, device)
+    emit(check="speed", path="plain_target_decode", s_per_token=plain_s, prompt_len=prompt_len, new_tokens=new_tokens)
+    static = dict(cache_implementation="static", compile_config=compile_config)
+    t0 = sync(device)
+    spec_step_s(draft, target, ids, new_tokens, 16, device, **static)  # compiles the draft and verify forwards
+    t1 = sync(device)
+    spec_step_s(draft, target, ids, new_tokens, 16, device, **static)
+    t2 = sync(device)
+    emit(check="compile", path=static_name(compile_config), block_size=16, first_call_s=round(t1 - t0, 2),
+         second_call_s=round(t2 - t1, 2), compile_s=round((t1 - t0) - (t2 - t1), 2))
+    check_syncs(draft, target, ids, device, compile_config, sync_tokens)
+    runs = [("dynamic", 8, {}), ("dynamic", 16, {}), (static_name(compile_config), 16, static)]
+    for path, b, kwargs in runs:
+        for draft_kind in ("random", "oracle"):
+            oracle = Oracle(ref) if draft_kind == "oracle" else None
+            with oracle if oracle is not None else _null():
+                spec_step_s(draft, target, ids, new_tokens, b, device, **kwargs)  # warm-up
+                reset_peak(device)
+                step_s, out = spec_step_s(draft, target, ids, new_tokens, b, device, **kwargs)
+                exact = bool(torch.equal(out.sequences, ref))
+            t_call = out.timings["total_s"]
+            emit(check="speed", path=path, block_size=b, draft=draft_kind, c=round(step_s / plain_s, 3),
+                 s_per_step=step_s, tau=round(sum(out.acceptance_lengths) / len(out.acceptance_lengths), 3),
+                 tokens_per_s=round(new_tokens / t_call, 2), speedup_vs_plain=round(plain_s * new_tokens / t_call, 3),
+                 peak_gib=peak_gib(device), equal_to_generate=exact)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------------- (c) syncs
+
+
+def count_syncs(fn, device):
+    """Run ``fn`` and count CUDA synchronisations (warnings from the sync debug mode); 0 on CPU."""
+    if device.type != "cuda":
+        fn()
+        return 0
+    sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def check_syncs(draft, target, ids, device, compile_config, tokens):
+    """Syncs of ``tokens`` new tokens minus those of 1 (the prefill), per verify step, random draft."""
+    for path, kwargs in (("dynamic", {}), (static_name(compile_config), dict(cache_implementation="static",
+                                                                              compile_config=compile_config))):
+        results = {}
+        for n in (1, tokens):
+            run = lambda: results.__setitem__(n, draft.spec_generate(  # noqa: E731
+                target, ids, max_new_tokens=n, temperature=0.0, stop_token_ids=[], block_size=16,
+                return_dict_in_generate=True, **kwargs))
+            run()  # warm-up: compiles, allocates
+            results[(n, "syncs")] = count_syncs(run, device)
+        steps = results[tokens].num_target_forwards - results[1].num_target_forwards
+        emit(check="syncs", path=path, cuda=device.type == "cuda", steps=steps,
+             syncs_per_step=round((results[(tokens, "syncs")] - results[(1, "syncs")]) / max(steps, 1), 2),
+             syncs_prefill=results[(1, "syncs")])
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny shape on CPU, fp32, static path uncompiled")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda" if cuda else "cpu")
+    emit(check="versions", python=platform.python_version(), torch=torch.__version__,
+         transformers=transformers.__version__, device=torch.cuda.get_device_name() if cuda else "cpu",
+         dry_run=args.dry_run)
+    if not cuda and not args.dry_run:
+        raise SystemExit("no CUDA device: run with --dry-run for the CPU rehearsal")
+    if cuda:  # cheapest first, so that a run cut short still has the figures that matter most
+        compile_config = CompileConfig()  # inductor, mode="reduce-overhead": CUDA graphs
+        check_exactness(device, [torch.bfloat16, torch.float16], None, new_tokens=64, n_prompts=4)
+        check_speed(device, torch.bfloat16, QWEN3_8B, DRAFT_8B, prompt_len=256, new_tokens=128,
+                    compile_config=compile_config, sync_tokens=17)
+        torch.cuda.empty_cache()
+        check_exactness(device, [torch.bfloat16, torch.float16], compile_config, new_tokens=64, n_prompts=4)
+    else:
+        compile_config = None  # the static path uncompiled: tests/test_static_generate.py compiles it on CPU
+        check_exactness(device, [torch.float32], None, new_tokens=12, n_prompts=1)
+        check_speed(device, torch.float32, TINY, DRAFT_TINY, prompt_len=9, new_tokens=12,
+                    compile_config=compile_config, sync_tokens=5)
+    emit(check="done")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Static-cache decode loop for ``spec_generate(..., cache_implementation="static")``: fixed shapes, so the
+draft forward and the verify forward can be compiled once (CUDA graphs with ``mode="reduce-overhead"``).
+
+What stays fixed from step to step (the reason this path exists; notes section 1 for the step itself):
+
+* the target cache is a transformers ``StaticCache`` of ``prompt + max_new_tokens + block_size`` slots;
+  every verify writes a block of exactly ``block_size`` tokens at explicit positions, and rejected
+  drafts are rolled back by LENGTH (the next block overwrites them; the causal mask, built from the
+  positions, hides the stale slots meanwhile), never by cropping tensors;
+* the draft context lives in [`StaticDraftContext`], a preallocated K/V buffer with a length counter;
+  every draft pass takes exactly ``block_size`` new context features (the verify block's features,
+  of which the first ``committed`` are real) plus the block, and a key-validity mask hides the rest;
+* target features are taps from the verify forward's own outputs (``output_hidden_states``), so no
+  hook runs inside a compiled region (the eager prefill uses the hooks of ``capture_target_features``).
+
+Scope: batch 1 without padding, attention-only targets without sliding-window layers, sdpa or eager
+attention; ``spec_generate`` sends anything else to the dynamic loop with one info log. Greedy output
+equals the dynamic path token for token; sampling uses the same processors and ``speculative_verify``
+(prefix-dependent processors, custom stopping criteria and ``output_scores``/``output_logits`` stay on
+the dynamic loop). The last verify step is not shortened to the remaining budget (the shape stays
+fixed): it verifies a full block and the tokens past ``max_new_tokens`` are cut as always.
+"""
+
+import inspect
+from types import SimpleNamespace
+
+import torch
+from transformers import StaticCache
+from transformers.utils import logging
+
+try:
+    from .generation_utils import _commit, _prefill_commit, _sync, capture_target_features
+    from .target_families import draft_block_embedding, draft_logits, sliding_target
+except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from generation_utils import _commit, _prefill_commit, _sync, capture_target_features
+    from target_families import draft_block_embedding, draft_logits, sliding_target
+
+logger = logging.get_logger(__name__)
+
+_STATIC_ATTENTION = ("sdpa", "eager")
+
+
+def static_unsupported_reason(target, input_ids, prompt_mask):
+    """Why the static path cannot run this call (a sentence), or None when it can.
+
+    The static path assumes one row with no padding (the cache has no holes) and a target whose every
+    layer is full attention (a ``StaticCache`` of sliding layers wraps around; linear-attention layers
+    keep state that a length rollback cannot undo)."""
+    if input_ids.shape[0] != 1 or not bool(prompt_mask.all()):
+        return f"it supports batch size 1 without padding (got batch {input_ids.shape[0]})"
+    cfg = target.config.get_text_config()
+    other = sorted({t for t in (getattr(cfg, "layer_types", None) or []) if t != "full_attention"})
+    if other or sliding_target(target):
+        return f"it supports full-attention targets only (target layer types {other or ['sliding_attention']})"
+    impl = getattr(target.config, "_attn_implementation", None)
+    if impl not in _STATIC_ATTENTION:
+        return f"it supports attn_implementation in {_STATIC_ATTENTION} (target uses {impl!r})"
+    return None
+
+
+class StaticDraftContext:
+    """Preallocated draft context K/V: ``(1, kv_heads, capacity, head_dim)`` per draft layer.
+
+    Behaves like a transformers ``Cache`` for the draft forward (``update`` / ``get_seq_length``), with
+    fixed shapes: ``update`` writes the incoming ``n`` keys at slots ``length .. length + n - 1`` and
+    returns the WHOLE buffer; the caller's key-validity mask decides which slots are real. ``length``
+    (a 0-d long tensor, the number of committed context positions) only moves when the caller sets it
+    (``set_length``): rolling back is setting a smaller length, nothing is copied or freed. Buffers are
+    allocated on the first ``update`` (shape, dtype and device of the draft's keys), which runs eagerly.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, device):
+        self.capacity = capacity
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.keys, self.values = [None] * num_layers, [None] * num_layers
+        _mark_static(self.length)
+
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
+        """Write ``(1, h, n, d)`` keys/values at ``length + arange(n)``; return the full buffers ``(1, h, capacity, d)``."""
+        if self.keys[layer_idx] is None:
+            shape = (*key_states.shape[:2], self.capacity, key_states.shape[-1])
+            self.keys[layer_idx] = key_states.new_zeros(shape)
+            self.values[layer_idx] = value_states.new_zeros(shape[:3] + value_states.shape[-1:])
+            _mark_static(self.keys[layer_idx], self.values[layer_idx])
+        slots = self.length + torch.arange(key_states.shape[2], device=key_states.device)
+        self.keys[layer_idx].index_copy_(2, slots, key_states)
+        self.values[layer_idx].index_copy_(2, slots, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0):
+        """Committed context length, a 0-d tensor (a Python int would be baked into a compiled graph)."""
+        return self.length
+
+    def set_length(self, length) -> None:
+        """Roll forward/back to ``length`` committed context positions (int or 0-d tensor), in place."""
+        self.length.copy_(torch.as_tensor(length, dtype=torch.long))
+
+
+def _mark_static(*tensors):
+    """Tell dynamo these tensors keep their address (CUDA graphs then read them in place, no copy)."""
+    mark = getattr(getattr(torch, "_dynamo", None), "mark_static_address", None)
+    if mark is not None:
+        for t in tensors:
+            mark(t)
+
+
+# ----------------------------------------------------------------------------- the two compiled forwards
+
+
+def _draft_forward(draft, embed, head, anchor, features, n_ctx, cache, block_size: int, mask_token_id: int):
+    """One draft pass over ``[anchor, MASK x (block_size-1)]`` with a fixed-shape context.
+
+    Args:
+        anchor: ``(1, 1)`` last committed token, at position ``start = cache.length + n_ctx``.
+        features: ``(1, P, F)`` target features of positions ``cache.length ..``; only the first
+            ``n_ctx`` (0-d long tensor) are real, the rest is padding that the mask hides.
+        cache: [`StaticDraftContext`]; gets the P context entries and the block written after
+            ``cache.length`` (the caller then sets its length to ``start``, dropping the block).
+
+    Returns ``(1, block_size - 1, V)`` draft logits for slots 1..block_size-1.
+    """
+    past, device = cache.length, anchor.device
+    n_pad = features.shape[1]
+    noise = torch.cat([anchor, anchor.new_full((1, block_size - 1), mask_token_id)], dim=1)  # (1, b)
+    start = past + n_ctx
+    positions = torch.cat([past + torch.arange(n_pad, device=device), start + torch.arange(block_size, device=device)])
+    slots = torch.arange(cache.capacity, device=device)
+    block_from = past + n_pad
+    key_valid = (slots < start) | ((slots >= block_from) & (slots < block_from + block_size))  # (capacity,)
+    hidden = draft(position_ids=positions[None], noise_embedding=draft_block_embedding(draft.config, embed, noise),
+                   target_hidden=features, past_key_values=cache, use_cache=True, attention_mask=key_valid[None])
+    return draft_logits(draft.config, head, hidden[:, 1:])
+
+
+def _verify_forward(target, cache, tokens, positions, layer_ids: tuple, cache_kw: str, pass_cache_position: bool):
+    """Target logits ``(1, n, V)`` and features ``(1, n, len(layer_ids) * H)`` for ``tokens`` ``(1, n)``
+    at ``positions`` ``(1, n)``, writing their K/V into the ``StaticCache`` at those positions.
+
+    Features are ``hidden_states[k + 1]`` of the forward's outputs (layer ``k``'s output; the last
+    layer's is post-norm, the convention of ``capture_target_features``)."""
+    extra = {"cache_position": positions[0]} if pass_cache_position else {}
+    out = target(input_ids=tokens, position_ids=positions, use_cache=True, output_hidden_states=True,
+                 **extra, **{cache_kw: cache})
+    return out.logits, torch.cat([out.hidden_states[k + 1] for k in layer_ids], dim=-1)
+
+
+def _prefill(target, cache, input_ids, layer_ids: tuple, cache_kw: str, pass_cache_position: bool):
+    """Eager prompt pass: last-position logits ``(1, 1 or P, V)`` and features ``(1, P, len(layer_ids) * H)``.
+
+    Features come from hooks on the chosen layers only (``capture_target_features``): asking the
+    forward for ``output_hidden_states`` would hold every layer's states of the whole prompt."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    params = inspect.signature(target.forward).parameters
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    if pass_cache_position:
+        extra["cache_position"] = positions[0]
+    with capture_target_features(target, layer_ids) as features:
+        logits = target(input_ids=input_ids, position_ids=positions, use_cache=True, **extra,
+                        **{cache_kw: cache}).logits
+        return logits, features()
+
+
+def _rollback_target(cache, pass_cache_position: bool, written: int, keep: int) -> None:
+    """Roll the target ``StaticCache`` back from ``written`` to ``keep`` slots, by length only.
+
+    transformers 4.57 writes each block at the ``cache_position`` it is given and keeps no counter:
+    nothing to do. transformers 5.x writes at its own counter (``cumulative_length``), which the
+    public ``crop(-n)`` moves back without touching the tensors."""
+    if not pass_cache_position and written > keep:
+        cache.crop(keep - written)
+
+
+_COMPILED = {}
+CAPACITY_BUCKET = 256
+
+
+def _bucket(length: int) -> int:
+    """Cache capacity rounded up to a multiple of ``CAPACITY_BUCKET`` slots, so that calls with other
+    prompt lengths or budgets reuse the compiled graphs (their shapes include the capacity)."""
+    return -(-length // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
+def compiled(fn, compile_config):
+    """``fn`` compiled with a transformers ``CompileConfig`` (None -> ``fn`` itself), built once per
+    (function, settings) so later calls reuse dynamo's cache. ``mode``/``options`` go to inductor only."""
+    if compile_config is None:
+        return fn
+    backend = compile_config.backend
+    key = (fn.__name__, backend, compile_config.mode, compile_config.fullgraph, compile_config.dynamic,
+           repr(compile_config.options))
+    if key not in _COMPILED:
+        kwargs = dict(backend=backend, fullgraph=compile_config.fullgraph, dynamic=compile_config.dynamic)
+        if backend == "inductor":
+            if compile_config.options:
+                kwargs["options"] = compile_config.options
+            else:
+                kwargs["mode"] = compile_config.mode
+        _COMPILED[key] = torch.compile(fn, **kwargs)
+    return _COMPILED[key]
+
+
+def _draft_logits(draft_fn, draft, embed, head, anchor, features, n_ctx, cache, block_size, mask_token_id):
+    """Draft logits ``(1, block_size - 1, V)`` from ``draft_fn`` (compiled or not); then the draft context
+    holds every position before the anchor. Tests replace this to script the acceptance."""
+    logits = draft_fn(draft, embed, head, anchor, features, n_ctx, cache, block_size, mask_token_id)
+    cache.set_length(cache.length + n_ctx)
+    return logits
+
+
+def _step_marker(compile_config, device):
+    """``torch.compiler.cudagraph_mark_step_begin`` for CUDA graphs (outputs of one step are not kept)."""
+    mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
+    use = compile_config is not None and device.type == "cuda" and mark is not None
+    return mark if use else (lambda: None)
+
+
+def static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run,
+                  compile_config=None):
+    """The static-shape speculative loop (batch 1); fills ``run`` like the dynamic ``_decode``.
+
+    Prefill and the first draft pass (whose context is the whole prompt) run eagerly; every later draft
+    and verify forward has the same shapes and goes through the compiled functions."""
+    device, prompt_len, b, out = input_ids.device, input_ids.shape[1], block_size, run.out
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    params = inspect.signature(target.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    pass_cache_position = "cache_position" in params
+    layer_ids = tuple(draft.config.target_layer_ids)
+    budget = run.stops.budget
+    target_cache = StaticCache(config=target.config, max_cache_len=_bucket(prompt_len + budget + b))
+    draft_cache = StaticDraftContext(draft.config.num_hidden_layers, _bucket(prompt_len + budget + 2 * b), device)
+    verify, draft_fn = compiled(_verify_forward, compile_config), compiled(_draft_forward, compile_config)
+    mark_step = _step_marker(compile_config, device)
+    t0 = _sync(device) if output_timings else None
+
+    logits, features = _prefill(target, target_cache, input_ids, layer_ids, cache_kw, pass_cache_position)
+    first, scores = sampling.first(logits[:, -1], input_ids)
+    out.num_target_forwards, out.num_draft_forwards = 1, 0
+    done = bool(_prefill_commit(run, first, scores, logits[:, -1])[0])
+    t1 = _sync(device) if output_timings else None
+    rows = SimpleNamespace(ids=torch.zeros(1, dtype=torch.long, device=device),
+                           n_new=torch.ones(1, dtype=torch.long, device=device))
+    anchor, start, n_ctx = first[:, None], prompt_len, torch.tensor(prompt_len, device=device)
+    draft_step = _draft_forward  # the first pass has the prompt's length; later ones are fixed-shape
+
+    while not done:
+        mark_step()
+        block, q = anchor, None
+        if b > 1:
+            logits = _draft_logits(draft_step, draft, embed, head, anchor, features, n_ctx, draft_cache, b,
+                                   mask_token_id)
+            drafts, q = sampling.propose(logits, rows)
+            block = torch.cat([anchor, drafts.to(device)], dim=1)  # (1, b)
+            out.num_draft_forwards += 1
+            draft_step = draft_fn
+        positions = start + torch.arange(b, device=device)[None]
+        logits, features = verify(target, target_cache, block, positions, layer_ids, cache_kw, pass_cache_position)
+        out.num_target_forwards += 1
+        accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
+        new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
+        done = bool(_commit(run, rows, accepted, b - 1, new, scores, logits)[0]) or run.stops.timed_out()
+        c = int(accepted[0]) + 1  # anchor + accepted drafts enter the caches; next_token is the new anchor
+        _rollback_target(target_cache, pass_cache_position, written=start + b, keep=start + c)
+        n_ctx = accepted[0] + 1  # the first c of this block's features are new context for the next draft
+        features = features.clone()  # a CUDA-graph output is reused memory once the next step begins
+        anchor, start, rows.n_new = next_token[:, None], start + c, rows.n_new + c
+
+    if output_timings:
+        t2 = _sync(device)
+        out["timings"] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0,
+                          "new_tokens": sum(len(sum(chunk, [])) for chunk in run.chunks)}
+
+
+def log_fallback(reason: str) -> None:
+    logger.info(f"cache_implementation='static' falls back to the dynamic loop: {reason}")
+
+
+__all__ = ["StaticDraftContext", "static_decode", "static_unsupported_reason", "compiled"]

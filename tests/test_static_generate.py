@@ -1,0 +1,199 @@
+"""The static-cache loop (``cache_implementation="static"``): exact against the dynamic loop, eager and
+compiled (``fullgraph=True``, eager backend), with a fixed number of graphs however acceptance varies."""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel, CompileConfig
+
+import generation_utils
+import static_generate
+from tiny import VOCAB, tiny_draft, tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = {kind: tiny_target(kind, peaked=True) for kind in ("qwen3", "llama")}
+PROMPT = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(11))
+SCRIPT = [0, 3, 1, 5, 2, 5, 4, 0]  # drafts right per step: acceptance lengths 1, 4, 2, 6, 3, 6, 5, 1
+_REFS = {}
+
+
+def reference(kind, n=80):
+    if kind not in _REFS:
+        target = TARGETS[kind]
+        _REFS[kind] = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False,
+                                      max_new_tokens=80)
+    return _REFS[kind][:, : PROMPT.shape[1] + n]
+
+
+def _oracle(want_from, start, b):
+    """One-hot logits ``(1, b - 1, V)`` right for the scripted number of slots after ``start``."""
+    want = want_from[0, start + 1 : start + b].clone()
+    right = SCRIPT[_oracle.calls % len(SCRIPT)]
+    _oracle.calls += 1
+    want[right:] = (want[right:] + 1) % VOCAB
+    return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Both loops draft with the oracle; the real draft logits of every call are kept for comparison."""
+    real, state = {"dynamic": [], "static": []}, {}
+    dyn, sta = generation_utils._draft_logits, static_generate._draft_logits
+
+    def fake_dynamic(draft, embed, head, anchor, ctx, cache, valid, start, b, mask_token_id):
+        real["dynamic"].append(dyn(draft, embed, head, anchor, ctx, cache, valid, start, b, mask_token_id))
+        return _oracle(state["ref"], int(start[0]), b)
+
+    def fake_static(fn, draft, embed, head, anchor, features, n_ctx, cache, b, mask_token_id):
+        real["static"].append(sta(fn, draft, embed, head, anchor, features, n_ctx, cache, b, mask_token_id).clone())
+        return _oracle(state["ref"], int(cache.length), b)  # cache.length == the anchor's position now
+
+    monkeypatch.setattr(generation_utils, "_draft_logits", fake_dynamic)
+    monkeypatch.setattr(static_generate, "_draft_logits", fake_static)
+
+    def run(kind, block_size, max_new_tokens, **kwargs):
+        state["ref"] = reference(kind)
+        _oracle.calls = 0
+        return generation_utils.spec_generate(tiny_draft(block_size=8), TARGETS[kind], PROMPT,
+                                              max_new_tokens=max_new_tokens, temperature=0.0, block_size=block_size,
+                                              return_dict_in_generate=True, **kwargs)
+
+    run.real = real
+    return run
+
+
+class GraphCounter:
+    """A ``torch.compile`` backend that runs graphs eagerly and counts them per compiled function
+    (told apart by their inputs: the draft forward's graph reads the draft's weights)."""
+
+    def __init__(self):
+        self.graphs = {"draft": 0, "verify": 0}
+
+    def __call__(self, gm, example_inputs):
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self.graphs["draft" if any(name.lower().startswith("l_draft_") for name in names) else "verify"] += 1
+        return gm.forward
+
+
+@pytest.mark.parametrize("kind, compiled", [("qwen3", False), ("llama", False), ("qwen3", True)])
+def test_static_equals_dynamic_under_varying_acceptance(kind, compiled, scripted):
+    """Same tokens, same acceptance lengths and the same real draft logits at every step as the dynamic
+    loop (whose budget is larger, so it never shortens a block in the compared range)."""
+    counter = GraphCounter()
+    kwargs = {}
+    if compiled:
+        torch._dynamo.reset()
+        kwargs["compile_config"] = CompileConfig(backend=counter, fullgraph=True, dynamic=False)  # churn = new graphs
+    new, b = 40, 6
+    static = scripted(kind, b, new, cache_implementation="static", **kwargs)
+    dynamic = scripted(kind, b, new + 2 * b)
+    assert torch.equal(static.sequences, reference(kind, new))
+    assert torch.equal(static.sequences, dynamic.sequences[:, : PROMPT.shape[1] + new])
+    steps = len(static.acceptance_lengths)
+    assert static.acceptance_lengths[:-1] == dynamic.acceptance_lengths[: steps - 1]
+    assert static.acceptance_lengths[-1] <= dynamic.acceptance_lengths[steps - 1]  # the last one is cut by the budget
+    assert len(set(static.acceptance_lengths)) >= 4 and steps >= 6
+    for got, want in zip(scripted.real["static"], scripted.real["dynamic"]):  # the draft context is right
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if compiled:  # one graph per function is expected; a second would be a recompile, a third is churn
+        assert 1 <= counter.graphs["draft"] <= 2 and 1 <= counter.graphs["verify"] <= 2, counter.graphs
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 8])
+def test_static_random_draft_equals_generate_and_stops_like_it(block_size):
+    """Real (random) draft: exact at every block size (1 drafts nothing), and the output ends right
+    after the first stop token, as ``generate`` does."""
+    target, draft = TARGETS["llama"], tiny_draft(block_size=8)
+    full = reference("llama", 33)
+    out = draft.spec_generate(target, PROMPT, max_new_tokens=33, temperature=0.0, block_size=block_size,
+                              cache_implementation="static")
+    assert torch.equal(out, full)
+    stop = int(full[0, PROMPT.shape[1] + 7])
+    cut = next(i for i in range(PROMPT.shape[1], full.shape[1]) if full[0, i] == stop)
+    out = draft.spec_generate(target, PROMPT, max_new_tokens=33, temperature=0.0, stop_token_ids=[stop],
+                              block_size=block_size, cache_implementation="static")
+    assert torch.equal(out, full[:, : cut + 1])
+
+
+def test_static_sampling_draws_what_the_dynamic_loop_draws():
+    """Same generator seed, same block size: the same random draws in the same order, so the same tokens."""
+    target, draft = TARGETS["llama"], tiny_draft(block_size=4)
+
+    def run(n, **kwargs):
+        g = torch.Generator().manual_seed(5)
+        return draft.spec_generate(target, PROMPT, max_new_tokens=n, temperature=0.8, top_k=20, generator=g,
+                                   **kwargs)
+
+    static = run(30, cache_implementation="static")
+    assert torch.equal(static, run(30 + 8)[:, : static.shape[1]])
+
+
+def test_generation_config_selects_the_static_loop(monkeypatch):
+    target, draft = tiny_target(peaked=True), tiny_draft()
+    calls = []
+    real = static_generate.static_decode
+    monkeypatch.setattr(static_generate, "static_decode", lambda *a, **k: calls.append(k) or real(*a, **k))
+    target.generation_config.cache_implementation = "static"
+    out = draft.spec_generate(target, PROMPT, max_new_tokens=9, temperature=0.0)
+    assert len(calls) == 1 and calls[0]["compile_config"] is None
+    target.generation_config.cache_implementation = None
+    assert torch.equal(out, draft.spec_generate(target, PROMPT, max_new_tokens=9, temperature=0.0)) and len(calls) == 1
+
+
+@pytest.mark.parametrize("case", ["batch", "sliding", "padding"])
+def test_unsupported_calls_fall_back_to_the_dynamic_loop_with_one_info_log(case, caplog, monkeypatch):
+    monkeypatch.setattr(static_generate, "static_decode", lambda *a, **k: pytest.fail("static loop used"))
+    draft, ids, mask = tiny_draft(), PROMPT, None
+    target = TARGETS["qwen3"]
+    if case == "batch":
+        ids = PROMPT.repeat(2, 1)
+    elif case == "sliding":
+        target = tiny_target(peaked=True, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                             sliding_window=4, use_sliding_window=True)
+    else:
+        mask = torch.ones_like(PROMPT)
+        mask[0, 0] = 0
+    with caplog.at_level(logging.INFO):
+        out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=7, temperature=0.0,
+                                  cache_implementation="static")
+    logs = [r for r in caplog.records if "falls back to the dynamic loop" in r.getMessage()]
+    assert len(logs) == 1 and logs[0].levelno == logging.INFO
+    assert torch.equal(out, draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=7, temperature=0.0))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"cache_implementation": "offloaded"}, "cache_implementation='offloaded'"),
+    ({"cache_implementation": "static", "compile_config": {"fullgraph": True}}, "must be a transformers CompileConfig"),
+])
+def test_bad_static_arguments_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_draft().spec_generate(TARGETS["qwen3"], PROMPT, max_new_tokens=3, **kwargs)
+
+
+def test_saved_draft_runs_the_static_loop_from_its_own_remote_code(tmp_path):
+    target, draft = TARGETS["qwen3"], tiny_draft()
+    draft.save_pretrained(tmp_path / "draft")
+    assert (tmp_path / "draft" / "static_generate.py").read_bytes() == (REPO / "static_generate.py").read_bytes()
+    loaded = AutoModel.from_pretrained(str(tmp_path / "draft"), trust_remote_code=True).eval()
+    out = loaded.spec_generate(target, PROMPT, max_new_tokens=12, temperature=0.0, cache_implementation="static",
+                               return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference("qwen3", 12)) and out.num_target_forwards > 1
+
+
+def test_gpu_check_dry_runs_on_cpu():
+    """bench/gpu_check.sh at the tiny shape on CPU: every section prints its JSON line."""
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], cwd=REPO, capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    kinds = {line["check"] for line in lines}
+    assert {"versions", "exactness", "compile", "speed", "syncs", "done"} <= kinds, kinds
+    assert all(line.get("ok", True) for line in lines if line["check"] == "exactness")
