@@ -473,7 +473,8 @@ class _Sampling:
         tokens = draft_logits.new_zeros(a, n, dtype=torch.long)
         qs = []
         for j in range(n):
-            scores = _process_at(self.procs, self.history, rows.ids, self._lengths(rows), tokens[:, :j], draft_logits[:, j])
+            scores = _process_at(self.procs, self.history, rows.ids, self._lengths(rows), tokens[:, :j],
+                                 draft_logits[:, j])
             tokens[:, j] = self._pick(scores, self.do_sample and self.sample_draft)
             qs.append(torch.softmax(scores, dim=-1))
         if not self.do_sample:
@@ -951,8 +952,9 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     if pad is None:
         pad = (_eos_list(config) or [0])[0]
     out = _empty_output(input_ids)
+    recorder = _Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
-               recorder=_Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None)
+               recorder=recorder)
     static_decode = _static_loop(static, target, input_ids, mask, run)
     if static_decode is not None:  # fixed-shape loop, static_generate.py
         static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run)

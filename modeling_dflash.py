@@ -540,7 +540,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             return own.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
-    @functools.wraps(_spec_generate)  # help() shows the full signature (less ``draft``) and docstring
+    @functools.wraps(_spec_generate.__func__)  # help() shows the full signature (less ``draft``) and docstring
     def spec_generate(self, *args, **kwargs):
         return self._spec_generate(self, *args, **kwargs)
 

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
-from transformers.generation import GenerateDecoderOnlyOutput
 
 import generation_utils
 from tiny import VOCAB, tiny_draft, tiny_target

@@ -231,7 +231,7 @@ def pair():
     draft = AutoModel.from_pretrained(PAIR / "drafter", trust_remote_code=True, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(PAIR / "target")
     prompts = [p["prompt"] for p in json.loads((PAIR / "heldout_prompts.json").read_text())[:6]]
-    return target, draft, [tok(p, return_tensors="pt")["input_ids"] for p in prompts]
+    return target, draft, [tok(p, return_tensors="pt", add_special_tokens=False)["input_ids"] for p in prompts]
 
 
 def test_help_shows_the_full_signature_on_a_remote_code_load(pair):
