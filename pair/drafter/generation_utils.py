@@ -14,6 +14,7 @@ hands them to our loop), so ``spec_generate`` decides exactly what ``generate`` 
 """
 
 import contextlib
+import functools
 import inspect
 import threading
 import time
@@ -310,10 +311,20 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-remove)
 
 
+@functools.lru_cache(maxsize=64)
+def _signature_params(forward) -> frozenset:
+    return frozenset(inspect.signature(forward).parameters)
+
+
+def _forward_params(model) -> frozenset:
+    """Parameter names of ``model.forward``, inspected once per forward function (not once per call)."""
+    forward = model.forward
+    return _signature_params(getattr(forward, "__func__", forward))
+
+
 def _cache_kwarg(model) -> str:
     """``cache`` on transformers >= 5.24 (``past_key_values`` is deprecated there), else ``past_key_values``."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return "cache" if "cache" in _forward_params(model) else "past_key_values"
 
 
 class _History:
@@ -759,7 +770,7 @@ def _warn_unmasked_left_padding(input_ids, attention_mask, pad_token_id) -> None
 
 
 
-@torch.no_grad()  # not inference_mode: callers may feed the output to autograd (e.g. drafter training)
+@torch.no_grad()  # inference_mode on top of it inside the loop, unless the caller opts out (`inference_mode`)
 def spec_generate(
     draft,
     target,
@@ -787,6 +798,8 @@ def spec_generate(
     output_logits=NOT_PASSED,
     output_timings: bool = False,
     mask_token_id: Optional[int] = None,
+    adaptive_block_size: bool = False,
+    inference_mode: bool = True,
     **kwargs,
 ):
     """Generate with ``target``, drafting blocks with ``draft``; the output is the target's own.
@@ -831,6 +844,13 @@ def spec_generate(
         streamer: a transformers ``BaseStreamer`` (batch size 1): gets the prompt once, then each
             committed chunk, never a token past a stop.
         output_timings: add device-synchronised wall-clock timings (seconds) to the output.
+        adaptive_block_size: off by default. When True, each step drafts a block of twice the
+            previous step's longest acceptance (anchor included), within ``[2, block_size]``: a fully
+            accepted block doubles, a short acceptance shrinks the next block. Outputs are unchanged.
+        inference_mode: run the forwards under ``torch.inference_mode()`` (default; drafter and target
+            forwards are about 10% cheaper on CPU than under ``no_grad``). The returned ``sequences``
+            are ordinary tensors either way; pass False when tensors made during the call must be
+            usable by autograd afterwards (e.g. features kept by the caller's own forward hooks).
         mask_token_id: override of ``draft.config.mask_token_id``.
 
     ``max_time`` is checked once per verify step, after the commit: the call returns within
@@ -887,7 +907,8 @@ def spec_generate(
     def loop(ids, mask, config, processors, stops):
         return _spec_loop(draft, target, ids, mask, config, processors, stops, block_size=block_size,
                           mask_token_id=mask_token_id, generator=generator, sample_draft=sample_draft,
-                          streamer=streamer, output_timings=output_timings)
+                          streamer=streamer, output_timings=output_timings, adaptive=adaptive_block_size,
+                          inference_mode=inference_mode)
 
     if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
         if streamer is not None:
@@ -912,7 +933,7 @@ def _empty_output(input_ids):
 
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
-               generator, sample_draft, streamer, output_timings):
+               generator, sample_draft, streamer, output_timings, adaptive=False, inference_mode=True):
     """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``."""
     _check_refused(config)
     bsz = input_ids.shape[0]
@@ -941,8 +962,9 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     out = _empty_output(input_ids)
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
                recorder=_Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None)
-    with capture_target_features(target, draft.config.target_layer_ids) as features:
-        _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings, run)
+    with torch.inference_mode(inference_mode), capture_target_features(target, draft.config.target_layer_ids) as features:
+        _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings, run,
+                adaptive)
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
         streamer.end()
@@ -1087,8 +1109,17 @@ def _forward_target(target, cache_kw, cache, tokens, positions, valid):
                   **{cache_kw: cache}).logits
 
 
+def next_block_size(block_size: int, longest: int, adaptive: bool) -> int:
+    """Block size of the next step. Fixed unless ``adaptive``: then twice the longest acceptance
+    (``longest``, anchor included) of the step just verified, so a fully accepted block doubles and a
+    short acceptance shrinks the block, clamped to ``[2, block_size]``."""
+    if not adaptive:
+        return block_size
+    return max(2, min(block_size, 2 * longest))
+
+
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
-            run):
+            run, adaptive=False):
     """The speculative loop; fills ``run.out`` / ``run.chunks`` in place."""
     device, bsz, out = input_ids.device, input_ids.shape[0], run.out
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -1099,7 +1130,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
 
     # Prefill: each row's first token becomes its first anchor.
     positions = (prompt_mask.cumsum(1) - 1).clamp_min(0)  # true positions under left padding
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_params(target) else {}
     logits = target(input_ids=input_ids, position_ids=positions, use_cache=True, **extra,
                     attention_mask=None if bool(prompt_mask.all()) else prompt_mask,
                     **{cache_kw: target_cache}).logits
@@ -1110,6 +1141,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
                  draft_valid=None, ctx=_Context(features(), positions, prompt_mask))
     finished = _prefill_commit(run, first, scores, logits[:, -1])
     t1 = _sync(device) if output_timings else None
+    next_b = block_size
 
     while True:
         if bool(finished.any()):  # drop finished rows from every forward pass
@@ -1119,7 +1151,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
             for cache in (target_cache, draft_cache):
                 cache.batch_select_indices(keep)
             rows.select(keep)
-        b = min(block_size, int((budget - rows.n_new).max()))
+        b = min(next_b, int((budget - rows.n_new).max()))
         block, q = rows.anchor, None
         if b > 1:
             logits = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
@@ -1140,6 +1172,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
 
         # Roll back: keep the committed slots; rejected ones become holes (masked) for shorter rows.
         width = int(committed.max())
+        next_b = next_block_size(block_size, width, adaptive)
         owned = (torch.arange(width, device=device)[None] < committed[:, None]).long()  # (A, width)
         kept = target_cache.get_seq_length() - b + width
         crop_cache(target_cache, kept)
