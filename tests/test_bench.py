@@ -132,7 +132,7 @@ def test_benchmark_smoke_on_the_embedded_pair(tmp_path):
     from bench.cli import main
 
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    report = main(["--num-prompts", "2", "--max-new-tokens", "24", "--rounds", "1", "--block-sizes", "8",
+    report = main(["--num-prompts", "1", "--max-new-tokens", "24", "--rounds", "1", "--block-sizes", "8",
                    "--contenders", "target,package,adaptive,prompt_lookup,native", "--sweep", "48",
                    "--sweep-prompts", "1", "--sweep-rounds", "1", "--out", str(out), "--plot", str(png),
                    "--no-progress"])
