@@ -1,9 +1,11 @@
-"""The lean decode step: the adaptive block size, inference mode, batches with holes.
+"""The lean decode step: host synchronisations per step, the adaptive block size, inference mode.
 
 Output exactness of the lean loop is also covered by test_spec_generate.py / test_sampling.py (greedy
 equality, ragged batches, stops, the sampled distribution), which run through the same loop.
 """
 
+
+import collections
 
 import pytest
 import torch
@@ -11,6 +13,39 @@ import torch
 import generation_utils
 from tiny import VOCAB, tiny_draft, tiny_target
 
+SYNC_METHODS = ["item", "tolist", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy"]
+
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    """Counts every Tensor -> host conversion (each is a device synchronisation on CUDA)."""
+    counts = collections.Counter()
+    for name in SYNC_METHODS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+def test_batch_1_unpadded_step_syncs_only_for_the_acceptance_decision(sync_counter):
+    """Default config (greedy, eos only; no stop strings, processors or streamer): every extra verify
+    step costs exactly one host transfer, the one that carries the accepted count and tokens."""
+    target, draft = tiny_target(peaked=True), tiny_draft(block_size=8)
+    target.generation_config.eos_token_id = VOCAB - 2  # a stop token that the check on the host must see
+    ids = torch.randint(0, VOCAB - 3, (1, 7), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for max_new in (12, 40):
+        sync_counter.clear()
+        out = draft.spec_generate(target, ids, max_new_tokens=max_new, return_dict_in_generate=True)
+        runs.append((len(out.acceptance_lengths), sum(sync_counter.values()), dict(sync_counter)))
+    (steps_a, syncs_a, _), (steps_b, syncs_b, detail) = runs
+    assert steps_b - steps_a >= 10, runs  # enough steps to see a per-step cost
+    assert syncs_b - syncs_a == steps_b - steps_a, runs  # one per step
 
 
 def test_a_batch_with_holes_keeps_its_masks_and_stays_exact():
