@@ -180,18 +180,28 @@ def compute_rope_inv_freq(config: DFlashConfig):
 
 class DFlashRotaryEmbedding(nn.Module):
     """Rotary embedding of the draft. Frequencies are kept as Python floats (no buffer), so loading on
-    the meta device or moving the module never leaves them uninitialised."""
+    the meta device or moving the module never leaves them uninitialised; the fp32 tensor built from
+    them is memoised per device (a constant of the config, so no result depends on earlier calls)."""
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
         inv_freq, self.attention_scaling = compute_rope_inv_freq(config)
         self.inv_freq = inv_freq.tolist()
+        self._inv_freq_by_device = {}
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """``(head_dim // 2,)`` fp32 inverse frequencies on ``device``, built once per device."""
+        table = self._inv_freq_by_device.get(device)
+        if table is None:
+            with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in and out of inference mode
+                table = torch.tensor(self.inv_freq, dtype=torch.float32, device=device)
+            self._inv_freq_by_device[device] = table
+        return table
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.LongTensor):
         """position_ids ``(batch, n)`` -> ``(cos, sin)``, each ``(batch, n, head_dim)`` in ``x.dtype``."""
-        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=position_ids.device)
-        freqs = position_ids[:, :, None].float() * inv_freq[None, None, :]  # (batch, n, head_dim // 2)
+        freqs = position_ids[:, :, None].float() * self.inv_freq_on(position_ids.device)  # (batch, n, head_dim // 2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
@@ -281,8 +291,8 @@ class DFlashAttention(nn.Module):
         bsz, q_len, _ = hidden_states.shape
         ctx_len = target_hidden.shape[1]
         q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)).transpose(1, 2)
-        k = torch.cat([self.k_proj(target_hidden), self.k_proj(hidden_states)], dim=1)
-        v = torch.cat([self.v_proj(target_hidden), self.v_proj(hidden_states)], dim=1)
+        kv_input = torch.cat([target_hidden, hidden_states], dim=1)  # (b, ctx_len + q_len, H): one linear call each
+        k, v = self.k_proj(kv_input), self.v_proj(kv_input)
         k = self.k_norm(k.view(bsz, ctx_len + q_len, -1, self.head_dim)).transpose(1, 2)  # (b, kv_heads, n, d)
         v = v.view(bsz, ctx_len + q_len, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
@@ -397,6 +407,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
+        # (is_causal, sliding window, layer type) per layer: fixed by the config, computed once
+        self._layer_kinds = [(config.layer_is_causal(i), config.layer_window(i), config.layer_types[i])
+                             for i in range(config.num_hidden_layers)]
         self.post_init()
 
     @property
@@ -502,8 +515,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     def _layer_masks(self, position_ids, q_len, past_len, attention_mask):
         """One mask per layer (shared between layers of the same kind); see [`block_attention_mask`]."""
-        cfg = self.config
-        kinds = [(cfg.layer_is_causal(i), cfg.layer_window(i), cfg.layer_types[i]) for i in range(cfg.num_hidden_layers)]
+        cfg, kinds = self.config, self._layer_kinds
         if isinstance(attention_mask, dict):
             return [attention_mask[t] for _, _, t in kinds]
         if attention_mask is not None and attention_mask.dim() == 4:
@@ -514,6 +526,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if attention_mask is not None:  # (b, kv_len) key validity
             key_valid = attention_mask.to(position_ids.device).bool()
             k_pos = key_valid.long().cumsum(-1) - 1
+        elif all(not causal and window is None for causal, window, _ in kinds):
+            return [None] * len(kinds)  # every key visible to every query: no mask, no key positions needed
         else:
             past = torch.arange(past_len, device=position_ids.device).expand(bsz, past_len)
             k_pos = torch.cat([past, position_ids], dim=1)

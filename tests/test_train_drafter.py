@@ -267,7 +267,7 @@ def test_load_examples_from_records_and_files(tmp_path):
 
 
 def test_prompt_lookup_baseline_hand_checked():
-    from train.bench_pair import prompt_lookup_propose, prompt_lookup_tau, repeated_ngram_share
+    from bench.stats import prompt_lookup_propose, prompt_lookup_tau, repeated_ngram_share
 
     assert prompt_lookup_propose([1, 2, 3, 1, 2], 2) == [3, 1]  # suffix (1, 2) last seen at 0
     assert prompt_lookup_propose([5, 6, 7], 3) == []

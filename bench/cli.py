@@ -1,0 +1,173 @@
+"""The benchmark command: contenders interleaved in one process on the same target.
+
+    python -m bench                                   # embedded pair, 16 held-out prompts x 128 tokens
+    python -m bench --reference-dir ~/src/dflash      # + the authors' loop from a local copy of their code
+    python -m bench --baseline /tmp/old_drafter       # + a drafter folder with its own (older) remote code
+    python -m bench --sweep 64,512,1024               # + prompt-length sweep (held-out prompts left-extended)
+    python -m bench --dataset gsm8k --chat-template   # an evaluation set through `datasets` (needs the Hub)
+
+Writes a JSON report (``--out``) and a PNG plot (``--plot``), prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from . import contenders as C
+from .core import interleaved, plot, summarize, table
+from .prompts import DATASETS, HELDOUT, dataset_prompts, encode, extend_prompt, local_prompts, render
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=str(ROOT / "pair" / "target"))
+    ap.add_argument("--draft", default=str(ROOT / "pair" / "drafter"))
+    ap.add_argument("--prompts", default=str(HELDOUT), help="held-out JSON list or a JSONL file (prompt/text/turns)")
+    ap.add_argument("--dataset", choices=sorted(DATASETS), help="an evaluation set instead of --prompts")
+    ap.add_argument("--data-files", nargs="+", help="local JSON/JSONL file(s) in the --dataset column layout")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; ratios are per-round medians")
+    ap.add_argument("--block-sizes", default="16", help="package block sizes, comma separated")
+    ap.add_argument("--contenders", default="target,package,prompt_lookup,native,reference,baseline",
+                    help="subset of target,package,prompt_lookup,native,reference,baseline,adaptive")
+    ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    ap.add_argument("--reference-dir", help="local copy of the authors' repository (the folder holding dflash/)")
+    ap.add_argument("--baseline", help="a drafter folder with its own remote code (e.g. the package before a change)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against the target)")
+    ap.add_argument("--chat-template", action="store_true", help="wrap the first user turn in the chat template")
+    ap.add_argument("--enable-thinking", action="store_true", help="passed to the chat template")
+    ap.add_argument("--sweep", default="", help="prompt lengths in tokens (held-out prompts left-extended)")
+    ap.add_argument("--sweep-prompts", type=int, default=8)
+    ap.add_argument("--sweep-rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--clock", choices=["cpu", "wall"], help="default: cpu on CPU, wall on CUDA")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench_report.json")
+    ap.add_argument("--plot", default="bench_report.png", help="'' for none")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def load_models(args, device, dtype):
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True, dtype=dtype).to(device).eval()
+    return tok, target, draft
+
+
+def build_contenders(args, target, draft, device, dtype) -> list:
+    """The requested contenders that can run here (``native`` needs transformers with DFlash support,
+    ``reference``/``baseline`` their folders); the ones skipped are printed."""
+    want = [w.strip() for w in args.contenders.split(",") if w.strip()]
+    blocks = [int(b) for b in args.block_sizes.split(",")]
+    out = []
+    if "target" in want:
+        out.append(C.Contender("target.generate", C.target_generate(target)))
+    for b in blocks if "package" in want else []:
+        out.append(C.Contender(f"package@{b}", C.package(draft, target, b), b))
+    for b in blocks if "adaptive" in want else []:
+        out.append(C.Contender(f"adaptive@{b}", C.package(draft, target, b, adaptive_block_size=True), b))
+    if "baseline" in want and args.baseline:
+        from transformers import AutoModel
+
+        old = AutoModel.from_pretrained(args.baseline, trust_remote_code=True, dtype=dtype).to(device).eval()
+        out += [C.Contender(f"baseline@{b}", C.package(old, target, b), b) for b in blocks]
+    if "prompt_lookup" in want:
+        out.append(C.Contender("prompt_lookup", C.target_generate(target, prompt_lookup_num_tokens=args.prompt_lookup_tokens)))
+    if "native" in want:
+        if C.native_supported():
+            out.append(C.Contender("native", C.native(draft, target), draft.config.block_size))
+        else:
+            print("skipped native: this transformers has no DFlashTokenCandidateGenerator", file=sys.stderr)
+    if "reference" in want and args.reference_dir:
+        fn, ref = C.load_reference(args.reference_dir, args.draft, dtype, device)
+        out += [C.Contender(f"reference@{b}", C.reference(fn, ref, target, b), b) for b in blocks]
+    return out
+
+
+def load_prompts(args, tok) -> list[dict]:
+    if args.dataset:
+        return dataset_prompts(args.dataset, args.data_files, args.num_prompts)
+    return local_prompts(args.prompts, args.num_prompts)
+
+
+def environment(args, device, dtype, clock) -> dict:
+    import transformers
+
+    return {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "clock": clock, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.data_files and not args.dataset:
+        raise SystemExit("--data-files needs --dataset (the column layout to read them with)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    dtype = getattr(torch, args.dtype)
+    clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
+    sampling = {"temperature": args.temperature}
+    tok, target, draft = load_models(args, device, dtype)
+    records = load_prompts(args, tok)
+    texts = [render(tok, r["turns"], args.chat_template, args.enable_thinking) for r in records]
+    prompts = [torch.tensor([encode(tok, t)], device=device) for t in texts]
+    cons = build_contenders(args, target, draft, device, dtype)
+    greedy = not args.temperature
+    runs = interleaved(cons, target, prompts, args.max_new_tokens, args.rounds, sampling, args.seed,
+                       progress=not args.no_progress)
+    report = {"title": f"{len(prompts)} prompts x {args.max_new_tokens} tokens, "
+                       f"{'greedy' if greedy else f'T={args.temperature}'}, {args.rounds} rounds, {device}, "
+                       f"{torch.get_num_threads()} thread(s), {args.dtype}",
+              "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "environment": environment(args, device, dtype, clock), "settings": vars(args),
+              "prompt_ids": [r["id"] for r in records], "prompt_lengths": [p.shape[1] for p in prompts],
+              "main": summarize(runs, cons, args.max_new_tokens, clock, greedy)}
+    report["sweep"] = sweep(args, tok, target, cons, records, device, sampling, clock, greedy)
+    write(report, args)
+    return report
+
+
+def sweep(args, tok, target, cons, records, device, sampling, clock, greedy) -> dict:
+    """Summaries at each ``--sweep`` length: held-out prompts left-extended from their own source."""
+    out = {}
+    for length in [int(x) for x in args.sweep.split(",") if x.strip()]:
+        if not all("path" in r for r in records):
+            raise SystemExit("--sweep needs held-out prompt records (path, lineno): use the default --prompts")
+        ids = [torch.tensor([extend_prompt(tok, r, length)], device=device) for r in records[: args.sweep_prompts]]
+        runs = interleaved(cons, target, ids, args.max_new_tokens, args.sweep_rounds, sampling, args.seed,
+                           progress=not args.no_progress)
+        out[str(length)] = summarize(runs, cons, args.max_new_tokens, clock, greedy)
+    return out
+
+
+def write(report: dict, args) -> None:
+    """JSON (temp name then rename), PNG, and the printed tables."""
+    out = Path(args.out)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, out)
+    if args.plot:
+        plot(report, args.plot)
+    print(report["title"])
+    print(table(report["main"]))
+    for length, s in report["sweep"].items():
+        print(f"\nprompt length {length}:")
+        print(table(s))
+    bad = {n: e["mismatches"] for n, e in report["main"]["contenders"].items() if e.get("mismatches")}
+    print(f"\ngreedy mismatches vs target.generate: {bad or 'none'}; wrote {out}" + (f", {args.plot}" if args.plot else ""))

@@ -1,0 +1,176 @@
+"""The contenders of the benchmark, each a callable on ONE prompt of the same target.
+
+``run(ids (1, L) LongTensor, max_new_tokens, sampling dict) -> (new token ids, acceptance lengths or None)``.
+Every contender decodes with the same target object; the benchmark times them from outside and
+counts the target's forwards with a hook (steps = forwards - 1), so tau is defined the same way
+for all (``bench.stats``).
+
+* ``target.generate``: plain autoregressive decoding, the speed reference.
+* ``package@b``: this package's ``spec_generate`` at block size ``b`` (also any other drafter folder
+  with its own remote code, e.g. the package before a change: ``--baseline``).
+* ``prompt_lookup``: transformers' prompt-lookup decoding (``prompt_lookup_num_tokens``).
+* ``reference@b``: the DFlash authors' ``dflash_generate`` from a local copy of their code
+  (``--reference-dir``), run as shipped under its own ``inference_mode``; on transformers 5.x
+  only the positive-length ``Cache.crop`` it relies on is patched (5.x accepts negative counts only).
+* ``native``: transformers' own DFlash loop (``speculation_type="dflash"``, 5.24+) with the same
+  drafter through a small forward-name adapter.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class Contender:
+    name: str
+    run: Callable
+    block_size: Optional[int] = None  # drafted block (for per-slot statistics), None: not a block drafter
+
+
+def generate_kwargs(target, sampling: dict) -> dict:
+    """``generate`` kwargs for greedy (``{}``) or sampled (``{"temperature": T}``) decoding: no top-k/top-p,
+    so every contender samples from the same plain tempered distribution."""
+    eos = target.generation_config.eos_token_id
+    pad = target.generation_config.pad_token_id
+    kw = dict(eos_token_id=eos, pad_token_id=pad if pad is not None else eos)
+    if sampling.get("temperature"):
+        return {**kw, "do_sample": True, "temperature": sampling["temperature"], "top_k": 0, "top_p": 1.0}
+    return {**kw, "do_sample": False}
+
+
+def _new(out, ids, eos) -> list[int]:
+    """New tokens of a generate output, cut after the first eos (generate pads finished rows)."""
+    new = out[0, ids.shape[1]:].tolist()
+    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    for i, t in enumerate(new):
+        if t in stops:
+            return new[: i + 1]
+    return new
+
+
+def target_generate(target, **extra) -> Callable:
+    def run(ids, max_new_tokens, sampling):
+        kw = generate_kwargs(target, sampling)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kw, **extra)
+        return _new(out, ids, kw["eos_token_id"]), None
+    return run
+
+
+def package(draft, target, block_size: int, **options) -> Callable:
+    """``draft.spec_generate`` at ``block_size``; ``options`` go to ``spec_generate`` as they are."""
+    def run(ids, max_new_tokens, sampling):
+        kw = {"do_sample": True, "temperature": sampling["temperature"], "top_k": 0, "top_p": 1.0} \
+            if sampling.get("temperature") else {"do_sample": False}
+        out = draft.spec_generate(target, ids, max_new_tokens=max_new_tokens, block_size=block_size,
+                                  return_dict_in_generate=True, **kw, **options)
+        return out.sequences[0, ids.shape[1]:][: out.num_new_tokens[0]].tolist(), out.row_acceptance_lengths[0]
+    return run
+
+
+# ----------------------------------------------------------------------------- the authors' loop
+
+
+def load_reference(reference_dir, draft_dir, dtype, device):
+    """(``dflash_generate``, their ``DFlashDraftModel`` with the drafter's weights loaded strictly).
+
+    ``reference_dir`` is a local copy of the authors' repository (the folder that holds ``dflash/``).
+
+    Raises:
+        ValueError: the folder has no ``dflash/model.py``, or the weights do not load strictly.
+    """
+    reference_dir = Path(reference_dir)
+    if not (reference_dir / "dflash" / "model.py").exists():
+        raise ValueError(f"--reference-dir {reference_dir} must hold the authors' dflash/model.py")
+    sys.path.insert(0, str(reference_dir))
+    try:
+        model_mod = importlib.import_module("dflash.model")
+    finally:
+        sys.path.remove(str(reference_dir))
+    model, info = model_mod.DFlashDraftModel.from_pretrained(draft_dir, dtype=dtype, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v}
+    if bad:
+        raise ValueError(f"the drafter's weights do not load strictly into the reference model: {bad}")
+    return model_mod.dflash_generate, model.to(device).eval()
+
+
+@contextlib.contextmanager
+def positive_crop_patch():
+    """Let ``DynamicCache.crop(n)`` with ``n >= 0`` mean "keep n tokens" on transformers 5.x, as on 4.x
+    (the reference loop calls ``crop(start)``). Restored on exit."""
+    from transformers import DynamicCache
+
+    original = DynamicCache.crop
+
+    def crop(self, max_length):
+        if max_length >= 0:
+            remove = self.get_seq_length() - max_length
+            return original(self, -remove) if remove > 0 else None
+        return original(self, max_length)
+
+    DynamicCache.crop = crop
+    try:
+        yield
+    finally:
+        DynamicCache.crop = original
+
+
+def reference(generate_fn, model, target, block_size: int) -> Callable:
+    eos = target.generation_config.eos_token_id
+    stop = None if eos is None else (eos if isinstance(eos, list) else [eos])
+
+    def run(ids, max_new_tokens, sampling):
+        with positive_crop_patch():
+            out = generate_fn(model, target, ids, max_new_tokens, stop, sampling.get("temperature") or 0.0,
+                              block_size=block_size)  # return_stats needs CUDA; steps come from the probe
+        return out[0, ids.shape[1]:].tolist(), None
+    return run
+
+
+# ----------------------------------------------------------------------------- transformers' native loop
+
+
+def native_supported() -> bool:
+    try:
+        from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def native_names(draft):
+    """Temporarily give ``draft`` the forward that transformers' ``DFlashTokenCandidateGenerator`` calls:
+    ``forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache)`` returning
+    an object with ``last_hidden_state``. The class is swapped back on exit."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    base = type(draft)
+
+    class NativeNames(base):
+        def forward(self, noise_embeds=None, context_hidden_states=None, position_ids=None, attention_mask=None,
+                    cache=None, **kwargs):
+            hidden = base.forward(self, position_ids=position_ids, noise_embedding=noise_embeds,
+                                  target_hidden=context_hidden_states, past_key_values=cache, use_cache=True,
+                                  attention_mask=attention_mask)
+            return BaseModelOutput(last_hidden_state=hidden)
+
+    draft.__class__ = NativeNames
+    try:
+        yield draft
+    finally:
+        draft.__class__ = base
+
+
+def native(draft, target) -> Callable:
+    def run(ids, max_new_tokens, sampling):
+        with native_names(draft) as adapted:
+            return target_generate(target, assistant_model=adapted, speculation_type="dflash")(
+                ids, max_new_tokens, sampling)
+    return run

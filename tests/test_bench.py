@@ -1,0 +1,149 @@
+"""The benchmark: its statistics, prompt sources (dataset adapters on tiny local files in each set's
+column layout), the length sweep, the reference-loop crop patch, and a smoke run on the embedded pair."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import contenders, prompts, stats
+
+REPO = Path(__file__).resolve().parents[1]
+PAIR = REPO / "pair"
+
+
+def test_acceptance_stats_hand_checked():
+    # block 4, max_new 9: row 0 steps (4, 1, 3) -> new = 1 + 8 = 9; step 3 drafts min(4, 9 - 6) - 1 = 2 slots.
+    # row 1: one step (2) then a stop: new = 3.
+    s = stats.acceptance_stats([[4, 1, 3], [2]], [9, 3], block_size=4, max_new_tokens=9)
+    assert s["steps"] == 4
+    assert s["tau"] == pytest.approx((8 + 2) / 4)
+    assert s["row_tau"] == pytest.approx([8 / 3, 2.0])
+    # slot 1 drafted in all 4 steps, accepted (>= 1 draft) in steps 4, 3, 2 -> 3/4; slot 2: drafted 4,
+    # accepted by 4 and 3 -> 2/4; slot 3: drafted by steps 1, 2, 4 (step 3 drafted 2) -> accepted by step 1 -> 1/3
+    assert s["per_slot"] == pytest.approx([3 / 4, 2 / 4, 1 / 3])
+    assert s["histogram"] == pytest.approx([1 / 4, 1 / 4, 1 / 4, 1 / 4])
+    assert stats.step_cost(3.0, 1.5) == pytest.approx(2.0)
+
+
+def test_pooled_tau_is_one_definition_for_every_contender():
+    # a plain decoder: one token per verify step -> tau 1; the prefill token is not a step
+    assert stats.pooled_tau([128], [127]) == 1.0
+    assert stats.pooled_tau([1, 1], [0, 0]) == 1.0
+
+
+def test_prompt_lookup_baseline_hand_checked():
+    assert stats.prompt_lookup_propose([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert stats.prompt_lookup_tau([1, 2, 3], [1, 2, 3, 1, 2, 3], 4, 6) == [4, 1]
+
+
+# ----------------------------------------------------------------------------- prompt sources
+
+ROWS = {  # one row per set, in the set's own column layout
+    "gsm8k": {"question": "Tom has 3 apples.", "answer": "#### 3"},
+    "math500": {"problem": "Solve x+1=2.", "solution": "x=1", "answer": "1", "subject": "Algebra", "level": 1,
+                "unique_id": "a"},
+    "humaneval": {"task_id": "HumanEval/0", "prompt": "def f(x):\n", "canonical_solution": "  return x",
+                  "test": "", "entry_point": "f"},
+    "mbpp": {"source_file": "x", "task_id": 2, "prompt": "Write a function.", "code": "", "test_imports": [],
+             "test_list": ["assert 1"]},
+    "mt-bench": {"prompt": ["First turn?", "Second turn?"], "prompt_id": 81, "category": "writing",
+                 "reference": []},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_dataset_adapter_reads_its_column_layout(tmp_path, name):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text(json.dumps(ROWS[name]) + "\n" + json.dumps(ROWS[name]) + "\n")
+    got = prompts.dataset_prompts(name, data_files=path, limit=1)
+    assert len(got) == 1 and got[0]["id"] == f"{name}/0"
+    first = got[0]["turns"][0]
+    expected = {"gsm8k": "Tom has 3 apples.\nPlease reason step by step", "math500": "Solve x+1=2.\nPlease reason",
+                "humaneval": "```python\ndef f(x):\n\n```", "mbpp": "Write a function.", "mt-bench": "First turn?"}
+    assert expected[name] in first
+    if name == "mt-bench":
+        assert got[0]["turns"] == ["First turn?", "Second turn?"]
+
+
+def test_dataset_adapter_names_a_missing_column(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(ValueError, match="no column 'question'"):
+        prompts.dataset_prompts("gsm8k", data_files=path)
+    with pytest.raises(ValueError, match="unknown dataset 'gsm9k'"):
+        prompts.dataset_prompts("gsm9k", data_files=path)
+
+
+def test_local_prompts_and_chat_template_with_enable_thinking(tmp_path):
+    from tiny import tiny_tokenizer
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "w1 w2"}\n{"turns": ["w3", "w4"]}\n')
+    recs = prompts.local_prompts(path)
+    assert [r["turns"] for r in recs] == [["w1 w2"], ["w3", "w4"]]
+    tok = tiny_tokenizer()
+    assert prompts.render(tok, ["w1"], chat_template=False) == "w1"
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking %} <think>{% else %} nothink{% endif %}")
+    assert prompts.render(tok, ["w1"], chat_template=True, enable_thinking=True) == "w1 <think>"
+    assert prompts.render(tok, ["w1"], chat_template=True, enable_thinking=False) == "w1 nothink"
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        prompts.render(tok, ["w1"], chat_template=True)
+
+
+def test_extend_prompt_takes_its_own_file_then_other_heldout_files(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(PAIR / "target")
+    (tmp_path / "own.py").write_text("import os\n\nX = 1\n\ndef f():\n    \"\"\"Doc.\"\"\"\n    return X\n")
+    (tmp_path / "other.py").write_text("def g(a, b):\n    return a + b\n" * 20)
+    rec = {"path": "own.py", "lineno": 5, "turns": ['def f():\n    """Doc."""\n    ']}
+    own = prompts.encode(tok, rec["turns"][0])
+    short = prompts.extend_prompt(tok, rec, len(own) + 3, root=tmp_path, files=["own.py", "other.py"])
+    assert len(short) == len(own) + 3 and short[-len(own):] == own
+    assert tok.decode(short[:3]) in "import os\n\nX = 1\n\n"  # taken from just before the prompt
+    long = prompts.extend_prompt(tok, rec, 120, root=tmp_path, files=["own.py", "other.py"])
+    assert len(long) == 120 and "return a + b" in tok.decode(long) and long[-len(own):] == own
+    with pytest.raises(ValueError, match="only"):
+        prompts.extend_prompt(tok, rec, 5000, root=tmp_path, files=["own.py", "other.py"])
+
+
+def test_positive_crop_patch_keeps_n_tokens_on_every_version():
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 2, 7, 4), torch.zeros(1, 2, 7, 4), 0)
+    with contenders.positive_crop_patch():
+        cache.crop(7)  # nothing to remove
+        assert cache.get_seq_length() == 7
+        cache.crop(5)
+        assert cache.get_seq_length() == 5
+    assert DynamicCache.crop is not None and cache.get_seq_length() == 5
+
+
+# ----------------------------------------------------------------------------- smoke run on the embedded pair
+
+
+@pytest.mark.skipif(not (PAIR / "drafter" / "config.json").exists(), reason="no embedded pair")
+def test_benchmark_smoke_on_the_embedded_pair(tmp_path):
+    from bench.cli import main
+
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    report = main(["--num-prompts", "1", "--max-new-tokens", "24", "--rounds", "1", "--block-sizes", "8",
+                   "--contenders", "target,package,adaptive,prompt_lookup,native", "--sweep", "48",
+                   "--sweep-prompts", "1", "--sweep-rounds", "1", "--out", str(out), "--plot", str(png),
+                   "--no-progress"])
+    saved = json.loads(out.read_text())
+    assert png.stat().st_size > 0 and saved["main"] == json.loads(json.dumps(report["main"]))
+    main_ = saved["main"]["contenders"]
+    expect = {"target.generate", "package@8", "adaptive@8", "prompt_lookup"} | (
+        {"native"} if contenders.native_supported() else set())
+    assert set(main_) == expect
+    assert main_["target.generate"]["tau"] == 1.0 and main_["target.generate"]["speedup"] == 1.0
+    assert main_["package@8"]["tau"] > 1.0 and len(main_["package@8"]["per_slot"]) == 7
+    assert all(not e.get("mismatches") for e in main_.values())  # greedy: every output is the target's
+    assert saved["environment"]["threads"] == 1 and saved["environment"]["dtype"] == "float32"
+    assert set(saved["sweep"]) == {"48"} and saved["sweep"]["48"]["contenders"]["package@8"]["tau"] >= 1.0

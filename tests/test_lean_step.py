@@ -1,0 +1,149 @@
+"""The lean decode step: host synchronisations per step, the adaptive block size, inference mode.
+
+Output exactness of the lean loop is also covered by test_spec_generate.py / test_sampling.py (greedy
+equality, ragged batches, stops, the sampled distribution), which run through the same loop.
+"""
+
+
+import collections
+
+import pytest
+import torch
+
+import generation_utils
+from tiny import VOCAB, tiny_draft, tiny_target
+
+SYNC_METHODS = ["item", "tolist", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy"]
+
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    """Counts every Tensor -> host conversion (each is a device synchronisation on CUDA)."""
+    counts = collections.Counter()
+    for name in SYNC_METHODS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+def test_batch_1_unpadded_step_syncs_only_for_the_acceptance_decision(sync_counter):
+    """Default config (greedy, eos only; no stop strings, processors or streamer): every extra verify
+    step costs exactly one host transfer, the one that carries the accepted count and tokens."""
+    target, draft = tiny_target(peaked=True), tiny_draft(block_size=8)
+    target.generation_config.eos_token_id = VOCAB - 2  # a stop token that the check on the host must see
+    ids = torch.randint(0, VOCAB - 3, (1, 7), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for max_new in (12, 40):
+        sync_counter.clear()
+        out = draft.spec_generate(target, ids, max_new_tokens=max_new, return_dict_in_generate=True)
+        runs.append((len(out.acceptance_lengths), sum(sync_counter.values()), dict(sync_counter)))
+    (steps_a, syncs_a, _), (steps_b, syncs_b, detail) = runs
+    assert steps_b - steps_a >= 10, runs  # enough steps to see a per-step cost
+    assert syncs_b - syncs_a == steps_b - steps_a, runs  # one per step
+
+
+def test_a_batch_with_holes_keeps_its_masks_and_stays_exact():
+    """Rows of different lengths (left padding) still take the masked path and match their batch-1 runs."""
+    target, draft = tiny_target(peaked=True), tiny_draft(block_size=8)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, VOCAB - 1, (1, 9), generator=g), torch.randint(0, VOCAB - 1, (1, 4), generator=g)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 5, dtype=torch.long), b], 1)])
+    mask = torch.cat([torch.ones(1, 9), torch.cat([torch.zeros(1, 5), torch.ones(1, 4)], 1)]).long()
+    out = draft.spec_generate(target, batch, attention_mask=mask, max_new_tokens=20, temperature=0.0)
+    for row, ids in enumerate((a, b)):
+        alone = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+        assert out[row, 9:].tolist() == alone[0, ids.shape[1]:].tolist()
+
+
+# ----------------------------------------------------------------------------- adaptive block size
+
+
+def test_next_block_size_rule():
+    rule = generation_utils.next_block_size
+    assert rule(16, 4, adaptive=False) == 16  # off: always the block size
+    assert rule(16, 4, adaptive=True) == 8  # a block of 4 fully accepted: doubles
+    assert rule(16, 3, adaptive=True) == 6  # short: twice the longest acceptance of the batch
+    assert rule(16, 1, adaptive=True) == 2  # never below 2 (one draft)
+    assert rule(16, 16, adaptive=True) == 16  # never above the block size
+
+
+@pytest.fixture
+def scripted_draft(monkeypatch):
+    """Draft logits right for a scripted number of slots per step (batch 1), wrong after; records b."""
+
+    def install(reference, script):
+        sizes = []
+        real = generation_utils._draft_logits
+
+        def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
+            real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
+            s, right = int(start[0]), script[len(sizes) % len(script)]
+            sizes.append(b)
+            want = reference[0, s + 1 : s + b].clone()
+            want[right:] = (want[right:] + 1) % VOCAB
+            return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
+
+        monkeypatch.setattr(generation_utils, "_draft_logits", fake)
+        return sizes
+
+    return install
+
+
+def test_adaptive_block_size_follows_acceptance_and_keeps_the_output(scripted_draft):
+    target, draft = tiny_target(peaked=True), tiny_draft(block_size=16)
+    ids = torch.randint(0, VOCAB - 1, (1, 6), generator=torch.Generator().manual_seed(5))
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=80, do_sample=False)
+    sizes = scripted_draft(ref, [15, 15, 1, 0, 15, 15, 15])
+    out = draft.spec_generate(target, ids, max_new_tokens=60, temperature=0.0, adaptive_block_size=True,
+                              return_dict_in_generate=True)
+    assert out.sequences.tolist() == ref[:, : 6 + 60].tolist()
+    # 16 (all 15 right) -> 16 -> 16, 1 right: 2 accepted+anchor -> 4; 0 right -> 2; then doubling 4, 8, 16
+    assert sizes[:7] == [16, 16, 16, 4, 2, 4, 8], sizes
+    fixed = draft.spec_generate(target, ids, max_new_tokens=60, temperature=0.0, return_dict_in_generate=True)
+    assert fixed.sequences.tolist() == out.sequences.tolist()
+
+
+def test_adaptive_block_size_ragged_batch_with_stop_matches_plain_run():
+    target, draft = tiny_target(peaked=True), tiny_draft(block_size=8)
+    g = torch.Generator().manual_seed(9)
+    batch = torch.randint(0, VOCAB - 1, (3, 6), generator=g)
+    mask = torch.ones_like(batch)
+    mask[1, :2] = 0
+    plain = draft.spec_generate(target, batch, attention_mask=mask, max_new_tokens=30, temperature=0.0)
+    stop = int(plain[0, 6 + 10])  # a token row 0 emits: that row stops early
+    kw = dict(attention_mask=mask, max_new_tokens=30, temperature=0.0, stop_token_ids=[stop])
+    assert torch.equal(draft.spec_generate(target, batch, adaptive_block_size=True, **kw),
+                       draft.spec_generate(target, batch, **kw))
+
+
+# ----------------------------------------------------------------------------- inference mode
+
+
+def test_inference_mode_default_and_opt_out_give_the_same_ordinary_tensors():
+    target, draft = tiny_target(peaked=True), tiny_draft(block_size=4)
+    ids = torch.randint(0, VOCAB - 1, (1, 5), generator=torch.Generator().manual_seed(1))
+    lean = draft.spec_generate(target, ids, max_new_tokens=16, temperature=0.0)
+    plain = draft.spec_generate(target, ids, max_new_tokens=16, temperature=0.0, inference_mode=False)
+    assert torch.equal(lean, plain)
+    assert not lean.is_inference()  # usable with autograd afterwards, like generate()'s output
+    target(lean).logits.sum().backward()  # would raise on an inference tensor
+
+
+def test_forward_runs_under_inference_mode_unless_opted_out():
+    target, draft = tiny_target(), tiny_draft(block_size=4)
+    seen = []
+    handle = target.register_forward_hook(lambda m, a, o: seen.append(torch.is_inference_mode_enabled()))
+    try:
+        ids = torch.tensor([[1, 2, 3]])
+        draft.spec_generate(target, ids, max_new_tokens=4, temperature=0.0)
+        draft.spec_generate(target, ids, max_new_tokens=4, temperature=0.0, inference_mode=False)
+    finally:
+        handle.remove()
+    n = len(seen) // 2
+    assert seen[:n] == [True] * n and seen[n:] == [False] * n
