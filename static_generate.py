@@ -239,7 +239,7 @@ def static_decode(draft, target, input_ids, block_size, mask_token_id, sampling,
     done = bool(_prefill_commit(run, first, scores, logits[:, -1])[0])
     t1 = _sync(device) if output_timings else None
     rows = SimpleNamespace(ids=torch.zeros(1, dtype=torch.long, device=device),
-                           n_new=torch.ones(1, dtype=torch.long, device=device))
+                           n_new=torch.ones(1, dtype=torch.long, device=device), host_ids=[0], host_new=[1])
     anchor, start, n_ctx = first[:, None], prompt_len, torch.tensor(prompt_len, device=device)
     draft_step = _draft_forward  # the first pass has the prompt's length; later ones are fixed-shape
 
@@ -258,12 +258,14 @@ def static_decode(draft, target, input_ids, block_size, mask_token_id, sampling,
         out.num_target_forwards += 1
         accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
         new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
-        done = bool(_commit(run, rows, accepted, b - 1, new, scores, logits)[0]) or run.stops.timed_out()
-        c = int(accepted[0]) + 1  # anchor + accepted drafts enter the caches; next_token is the new anchor
+        counts, finished = _commit(run, rows, accepted, b - 1, new, scores, logits)  # the step's one host sync
+        done = finished[0] or run.stops.timed_out()
+        c = counts[0]  # anchor + accepted drafts enter the caches; next_token is the new anchor
         _rollback_target(target_cache, pass_cache_position, written=start + b, keep=start + c)
         n_ctx = accepted[0] + 1  # the first c of this block's features are new context for the next draft
         features = features.clone()  # a CUDA-graph output is reused memory once the next step begins
         anchor, start, rows.n_new = next_token[:, None], start + c, rows.n_new + c
+        rows.host_new = [rows.host_new[0] + c]
 
     if output_timings:
         t2 = _sync(device)

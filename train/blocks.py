@@ -196,12 +196,13 @@ def drafter_loss(draft, target, batch: PackedBatch, weights: torch.Tensor, reduc
         on the loss's device).
     """
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    config = getattr(draft, "module", draft).config  # the draft may come wrapped (DistributedDataParallel)
     with torch.no_grad():
-        noise_embedding = draft_block_embedding(draft.config, embed, batch.noise_ids)  # same as spec_generate
+        noise_embedding = draft_block_embedding(config, embed, batch.noise_ids)  # same as spec_generate
     hidden = draft(position_ids=batch.position_ids, noise_embedding=noise_embedding,
                    target_hidden=batch.target_hidden, attention_mask=batch.masks)
     valid = batch.labels != IGNORE
-    logits = draft_logits(draft.config, head, hidden[valid]).float()  # output_multiplier / softcap as at inference
+    logits = draft_logits(config, head, hidden[valid]).float()  # output_multiplier / softcap as at inference
     labels, slots = batch.labels[valid], batch.slots[valid]
     w = weights.to(logits.device)[slots]
     ce = F.cross_entropy(logits, labels, reduction="none")
