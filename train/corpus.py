@@ -89,7 +89,8 @@ def build_manifest(root: Path | None = None) -> dict:
     train, held = split(list_sources(root))
     return {
         "python_version": sys.version.split()[0],
-        "stdlib_root": str(root),
+        # where the files came from, without naming this machine's paths (files are keyed by relative path)
+        "stdlib": "sysconfig.get_paths()['stdlib'] of the Python above",
         "heldout_rule": f"int(sha256(rel_path),16) % {HELDOUT_MOD} == 0",
         "train": [_entry(root, r) for r in train],
         "heldout": [_entry(root, r) for r in held],
