@@ -1,7 +1,7 @@
 """Target families: greedy equality with ``target.generate`` at batch 1 and in ragged batches,
 past every sliding window (window 6, prompt + output up to 45 tokens), with oracle drafts that are
 fully, partly and never accepted; one sampling distribution test on a Gemma-4 target; refusals
-named before any forward (Gemma-3n, RoPE switches); an accelerate disk-offloaded embedding.
+named before any forward (Gemma-3n, RoPE switches: dynamic, longrope in a batch); an accelerate disk-offloaded embedding.
 
 Targets are peaked (``tiny.peak``) so that a window off by one or a shifted position changes the
 output; the planted-bug notes on each test say what it was shown to catch.
@@ -157,12 +157,15 @@ def _longrope_target():
     return target
 
 
-@pytest.mark.parametrize("build, kind, first", [(_dynamic_target, "dynamic", 40), (_longrope_target, "longrope", 32)])
-def test_position_dependent_rope_exact_below_the_switch_refused_past_it(build, kind, first):
-    """Planted bug caught: a switch one position late (``last > first``) lets a diverging call run."""
+@pytest.mark.parametrize("build, kind, first, batch", [(_dynamic_target, "dynamic", 40, 1),
+                                                       (_longrope_target, "longrope", 32, 2)])
+def test_position_dependent_rope_exact_below_the_switch_refused_past_it(build, kind, first, batch):
+    """``dynamic`` is refused past its switch at any batch; ``longrope`` in a batch (batch 1 crosses it
+    exactly, tests/test_longrope.py). Planted bug caught: a switch one position late (``last > first``)
+    lets a diverging call run."""
     target, draft = build(), tiny_draft(block_size=4)
     assert target_families.rope_switch(target) == (kind, first)
-    prompt = PROMPTS[11]
+    prompt = PROMPTS[11].repeat(batch, 1)
     below = first + 1 - 11  # highest position fed = 11 + below - 2 = first - 1
     out = draft.spec_generate(target, prompt, max_new_tokens=below, temperature=0.0)
     assert torch.equal(out, _generate(target, prompt, below))
