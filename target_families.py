@@ -19,6 +19,7 @@ One place for every family rule (notes sections 3 and 7):
 import sys
 
 import torch
+import transformers
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Families whose decoder layers do not return (B, T, H) hidden states; name -> reason.
@@ -220,6 +221,26 @@ def _reprefills_at_switch(target, limit: int) -> bool:
         text_config(target), "original_max_position_embeddings", None) == limit
 
 
+def _stale_reprefill_mask(target, switch: int):
+    """Why transformers 4.x's own Phi-3 re-prefill is not the model's forward here, or None.
+
+    On 4.x, ``Phi3ForCausalLM.prepare_inputs_for_generation`` drops the cache but keeps the step's
+    ``cache_position`` (``[switch]``), so a re-prefill forward that builds an explicit mask builds it
+    for one query position: every earlier position then sees later tokens. sdpa skips the mask (and is
+    exact) when no sliding window is at most the re-prefill length ``switch + 1``; eager always builds
+    it; other kernels are not verified. 5.x passes no stale position: always exact.
+    """
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return None
+    impl = getattr(target.config, "_attn_implementation", None)
+    window = getattr(text_config(target), "sliding_window", None)
+    if impl != "sdpa":
+        return f"attn_implementation={impl!r}"
+    if window and window <= switch + 1:
+        return f"sliding_window={window} <= {switch + 1}"
+    return None
+
+
 def check_rope(target, prompt_len: int, max_new_tokens: int, batch: int = 1, padded: bool = False):
     """Decide, before any forward, how a call meets a position-dependent RoPE switch.
 
@@ -231,7 +252,8 @@ def check_rope(target, prompt_len: int, max_new_tokens: int, batch: int = 1, pad
     * ``dynamic`` past the switch: refused (generate recomputes the frequencies at every new length,
       so every token past it would need its own target pass: no speculation left).
     * ``longrope`` on a family whose generate re-prefills at the switch (Phi-3, PhiMoE,
-      Phi-4-multimodal), batch 1 without padding, prompt at most ``first_position`` tokens: returns
+      Phi-4-multimodal), batch 1 without padding, prompt at most ``first_position`` tokens (on
+      transformers 4.x also sdpa without a short window: [`_stale_reprefill_mask`]): returns
       ``first_position`` (``original_max_position_embeddings``); the loop then clamps verify blocks
       so none crosses it and re-prefills once at committed length ``first_position + 1``, as generate
       does ([`longrope_block_limit`]). A prompt already longer than the switch runs long factors
@@ -246,7 +268,7 @@ def check_rope(target, prompt_len: int, max_new_tokens: int, batch: int = 1, pad
     Raises:
         NotImplementedError: naming the RoPE type, the switch and the first position that would
             diverge (dynamic; longrope in a batch or padded prompt, naming the batch size; longrope on a
-            family whose generate does not re-prefill there).
+            family whose generate does not re-prefill there; on 4.x, a re-prefill generate gets wrong).
     """
     if max_new_tokens < 2:
         return None
@@ -274,6 +296,13 @@ def check_rope(target, prompt_len: int, max_new_tokens: int, batch: int = 1, pad
                 f"Keep prompt_len + max_new_tokens <= {first + 1}")
         if prompt_len > first:
             continue  # the prefill already runs long factors, and so does every later forward
+        stale = _stale_reprefill_mask(target, first)
+        if stale is not None:
+            raise NotImplementedError(
+                f"{head}; with {stale}, transformers {transformers.__version__}'s own Phi-3 generate re-prefills "
+                f"there with a stale cache_position (its mask covers one query), so generate differs from the "
+                f"model's forward and spec_generate cannot follow it. Use attn_implementation='sdpa' without a "
+                f"sliding window <= {first + 1}, or transformers >= 5")
         if crossing is not None and crossing != first:
             raise NotImplementedError(f"target has two longrope switches ({crossing} and {first}); not supported")
         crossing = first

@@ -201,3 +201,32 @@ def test_longrope_on_a_family_without_the_reprefill_is_refused():
     assert target_families.check_rope(stub, PROMPT_LEN, ORIG + 1 - PROMPT_LEN) is None
     with pytest.raises(NotImplementedError, match=r"re-prefills there \(phi3, .*not 'llama'"):
         target_families.check_rope(stub, PROMPT_LEN, NEW)
+
+
+@pytest.mark.parametrize("overrides", [{"attn_implementation": "eager"}, {"sliding_window": 7}])
+def test_eager_or_short_window_exact_on_5_refused_on_4(overrides, monkeypatch):
+    """transformers 4.x's Phi-3 generate re-prefills with a stale ``cache_position`` (an explicit mask
+    then covers one query: eager, or sdpa under a window <= 25), so its output is not the model's; the
+    call is refused there before any forward. On 5.x generate is exact and so is ``spec_generate``
+    (window 7: the re-prefill crops sliding-window cache layers).
+
+    Planted bugs caught: on 4.57, ``_stale_reprefill_mask`` returning None (not refused; the test also
+    shows the call would then differ from generate); on 5.24, the 4.x check applied there (refused)."""
+    target = _phi3(**overrides)
+    draft = tiny_draft(block_size=8)
+    if IS_5:
+        ref = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False, max_new_tokens=NEW)
+        _oracle(monkeypatch, ref, [None, 1])
+        assert torch.equal(draft.spec_generate(target, PROMPT, max_new_tokens=NEW, temperature=0.0), ref)
+        return
+    calls = []
+    handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(NotImplementedError, match=r"'longrope' .*stale cache_position"):
+            draft.spec_generate(target, PROMPT, max_new_tokens=NEW, temperature=0.0)
+    finally:
+        handle.remove()
+    assert calls == []
+    monkeypatch.setattr(target_families, "_stale_reprefill_mask", lambda *a: None)  # the refusal is needed:
+    ref = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False, max_new_tokens=NEW)
+    assert not torch.equal(draft.spec_generate(target, PROMPT, max_new_tokens=NEW, temperature=0.0), ref)
