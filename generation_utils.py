@@ -959,8 +959,8 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     input_ids = input_ids.to(device)
     mask = torch.ones_like(input_ids) if mask is None else mask.to(device=device, dtype=torch.long)
     stops = _Stops(criteria, input_ids.shape[1])
-    rope_switch = _families.check_rope(target, input_ids.shape[1], stops.budget if stops.budget is not None else 1 << 40,
-                                       bsz, not bool(mask.all()))
+    budget = stops.budget if stops.budget is not None else 1 << 40
+    rope_switch = _families.check_rope(target, input_ids.shape[1], budget, bsz, not bool(mask.all()))
     want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
     return_dict = bool(config.return_dict_in_generate)
     sampling = _Sampling(processors if processors is not None else LogitsProcessorList(), bool(config.do_sample),

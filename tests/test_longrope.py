@@ -104,8 +104,8 @@ def test_generate_reference_reprefills_and_the_factors_matter(target, reference)
     (7, [2]),
 ])
 def test_greedy_equals_generate_across_the_switch(target, reference, monkeypatch, block_size, pattern):
-    """Planted bugs caught: no clamp (``longrope_block_limit`` returning ``block_size``): every case;
-    no re-prefill (``_longrope_step`` only clamping): every case; re-prefill including the anchor's
+    """Planted bugs caught: no clamp (``longrope_block_limit`` returning ``block_size``): every case but
+    block 13 (whose first block ends exactly at the switch without clamping); no re-prefill (``_longrope_step`` only clamping): every case; re-prefill including the anchor's
     slot left in the cache (no ``crop_cache(target_cache, committed - 1)``): every case."""
     calls = _oracle(monkeypatch, reference, pattern)
     out = tiny_draft(block_size=block_size).spec_generate(

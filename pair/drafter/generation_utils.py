@@ -959,7 +959,8 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     input_ids = input_ids.to(device)
     mask = torch.ones_like(input_ids) if mask is None else mask.to(device=device, dtype=torch.long)
     stops = _Stops(criteria, input_ids.shape[1])
-    _families.check_rope(target, input_ids.shape[1], stops.budget if stops.budget is not None else 1 << 40)
+    budget = stops.budget if stops.budget is not None else 1 << 40
+    rope_switch = _families.check_rope(target, input_ids.shape[1], budget, bsz, not bool(mask.all()))
     want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
     return_dict = bool(config.return_dict_in_generate)
     sampling = _Sampling(processors if processors is not None else LogitsProcessorList(), bool(config.do_sample),
@@ -975,14 +976,14 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     recorder = _Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
                recorder=recorder)
-    static_decode = _static_loop(static, target, input_ids, mask, run)
+    static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py
             static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run)
         else:
             with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
-                        run, adaptive)
+                        run, adaptive, rope_switch)
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
         streamer.end()
@@ -1013,9 +1014,11 @@ def _static_request(kwargs, generation_config, target):
     return True, compile_config
 
 
-def _static_loop(static, target, input_ids, mask, run):
+def _static_loop(static, target, input_ids, mask, run, rope_switch=None):
     """``static_generate.static_decode`` (``compile_config`` bound) when the static loop was asked for
-    and applies to this call, else None: the dynamic loop, with one info log saying why."""
+    and applies to this call, else None: the dynamic loop, with one info log saying why (also for a
+    call crossing a longrope switch, ``rope_switch`` from ``target_families.check_rope``: only the
+    dynamic loop re-prefills there)."""
     if static is None:
         return None
     try:  # `from .x import` (not `from . import x`): the pattern transformers copies remote code by
@@ -1025,6 +1028,8 @@ def _static_loop(static, target, input_ids, mask, run):
     reason = static_unsupported_reason(target, input_ids, mask)
     if reason is None and (run.history is not None or run.recorder is not None):
         reason = "prefix-dependent processors, custom stopping criteria and output_scores/logits are dynamic-only"
+    if reason is None and rope_switch is not None:
+        reason = f"crossing the longrope switch (sequence length {rope_switch + 1}) re-prefills, which is dynamic-only"
     if reason is not None:
         log_fallback(reason)
         return None
@@ -1205,6 +1210,37 @@ def next_block_size(block_size: int, longest: int, adaptive: bool) -> int:
     return max(2, min(block_size, 2 * longest))
 
 
+def _longrope_step(switch, input_ids, target, cache_kw, target_cache, draft_cache, windows, features, b, rows, run):
+    """Block size of this step on a longrope target whose call crosses ``switch`` (batch 1, no padding;
+    ``target_families.check_rope``), doing what Phi-3's ``generate`` does at the switch.
+
+    Below it, the block is clamped (``target_families.longrope_block_limit``) so that no verify runs
+    short-factor positions with long factors. At committed length ``switch + 1`` (reached exactly, by
+    the clamp; generate drops its cache there and re-prefills the whole sequence with long factors),
+    the target cache is rebuilt by one forward over every committed token (anchor included, so its
+    longest position selects long factors as generate's re-prefill does) and cut back to the tokens
+    before the anchor; the draft's context becomes that forward's taps (positions ``0 .. n-2``) over
+    an emptied draft cache, so the draft sees the hidden states the target now computes.
+
+    Returns the block size ``b`` to verify with. Source: issue "Dynamic-RoPE targets" (silent
+    divergence past the switch).
+    """
+    committed = input_ids.shape[1] + rows.host_new[0]
+    if committed != switch + 1:
+        return _families.longrope_block_limit(switch, committed, b)
+    tokens = torch.tensor([[t for chunk in run.chunks[0] for t in chunk]], device=input_ids.device)
+    tokens = torch.cat([input_ids, tokens], dim=1)  # (1, committed)
+    positions = torch.arange(committed, device=input_ids.device)[None]  # (1, committed)
+    crop_cache(target_cache, 0)
+    crop_cache(draft_cache, 0)
+    _forward_target(target, cache_kw, target_cache, tokens, positions, None, windows, record=False,
+                    **_families.prefill_kwargs(target, _forward_params(target)))
+    crop_cache(target_cache, committed - 1)  # the anchor is verified by this step's block, as always
+    rows.ctx, rows.draft_valid = _Context(features()[:, :-1], positions[:, :-1], None), None
+    run.out.num_target_forwards += 1
+    return b
+
+
 def _drop_finished(rows, done: list, caches, device) -> bool:
     """Drop the finished rows from every cache and row state; False when none is left."""
     keep = [i for i, d in enumerate(done) if not d]
@@ -1217,8 +1253,9 @@ def _drop_finished(rows, done: list, caches, device) -> bool:
 
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
-            run, adaptive=False):
-    """The speculative loop; fills ``run.out`` / ``run.chunks`` in place."""
+            run, adaptive=False, rope_switch=None):
+    """The speculative loop; fills ``run.out`` / ``run.chunks`` in place. ``rope_switch``: the longrope
+    switch this call crosses (``target_families.check_rope``), else None."""
     device, bsz, out = input_ids.device, input_ids.shape[0], run.out
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     cache_kw = _cache_kwarg(target)
@@ -1243,9 +1280,13 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
     t1 = _sync(device) if output_timings else None
     offsets = torch.arange(block_size, device=device)  # (block_size,) slot offsets, built once
     next_b = block_size
+    longrope = rope_switch and functools.partial(_longrope_step, rope_switch, input_ids, target, cache_kw, target_cache,
+                                                 draft_cache, windows, features)
 
     while not any(finished) or _drop_finished(rows, finished, (target_cache, draft_cache), device):
         b = min(next_b, budget - min(rows.host_new))
+        if longrope:  # a longrope target crossing its switch: clamp below it, re-prefill at it
+            b = longrope(b, rows, run)
         positions = rows.start[:, None] + offsets[:b]  # (A, b)
         block, q = rows.anchor, None
         if b > 1:

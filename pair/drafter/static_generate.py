@@ -132,29 +132,33 @@ def _draft_forward(draft, embed, head, anchor, features, n_ctx, cache, block_siz
     return draft_logits(draft.config, head, hidden[:, 1:])
 
 
-def _verify_forward(target, cache, tokens, positions, layer_ids: tuple, cache_kw: str, pass_cache_position: bool):
+def _verify_forward(target, cache, tokens, positions, layer_ids: tuple, cache_kw: str, pass_cache_position: bool,
+                    feature_device=None):
     """Target logits ``(1, n, V)`` and features ``(1, n, len(layer_ids) * H)`` for ``tokens`` ``(1, n)``
     at ``positions`` ``(1, n)``, writing their K/V into the ``StaticCache`` at those positions.
 
     Features are ``hidden_states[k + 1]`` of the forward's outputs (layer ``k``'s output; the last
-    layer's is post-norm, the convention of ``capture_target_features``)."""
+    layer's is post-norm, the convention of ``capture_target_features``), each moved to
+    ``feature_device`` (the draft's) before concatenation: a target split over devices gives states
+    on several devices."""
     extra = {"cache_position": positions[0]} if pass_cache_position else {}
     out = target(input_ids=tokens, position_ids=positions, use_cache=True, output_hidden_states=True,
                  **extra, **{cache_kw: cache})
-    return out.logits, torch.cat([out.hidden_states[k + 1] for k in layer_ids], dim=-1)
+    return out.logits, torch.cat([out.hidden_states[k + 1].to(feature_device) for k in layer_ids], dim=-1)
 
 
-def _prefill(target, cache, input_ids, layer_ids: tuple, cache_kw: str, pass_cache_position: bool):
+def _prefill(target, cache, input_ids, layer_ids: tuple, cache_kw: str, pass_cache_position: bool, feature_device=None):
     """Eager prompt pass: last-position logits ``(1, 1 or P, V)`` and features ``(1, P, len(layer_ids) * H)``.
 
     Features come from hooks on the chosen layers only (``capture_target_features``): asking the
-    forward for ``output_hidden_states`` would hold every layer's states of the whole prompt."""
+    forward for ``output_hidden_states`` would hold every layer's states of the whole prompt. Each tap is
+    moved to ``feature_device`` (the draft's) before concatenation."""
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     params = inspect.signature(target.forward).parameters
     extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
     if pass_cache_position:
         extra["cache_position"] = positions[0]
-    with capture_target_features(target, layer_ids) as features:
+    with capture_target_features(target, layer_ids, feature_device) as features:
         logits = target(input_ids=input_ids, position_ids=positions, use_cache=True, **extra,
                         **{cache_kw: cache}).logits
         return logits, features()
@@ -233,7 +237,9 @@ def static_decode(draft, target, input_ids, block_size, mask_token_id, sampling,
     mark_step = _step_marker(compile_config, device)
     t0 = _sync(device) if output_timings else None
 
-    logits, features = _prefill(target, target_cache, input_ids, layer_ids, cache_kw, pass_cache_position)
+    feature_device = draft.fc.weight.device  # taps go to the draft's device (target_families.draft_device)
+    logits, features = _prefill(target, target_cache, input_ids, layer_ids, cache_kw, pass_cache_position,
+                                feature_device)
     first, scores = sampling.first(logits[:, -1], input_ids)
     out.num_target_forwards, out.num_draft_forwards = 1, 0
     done = bool(_prefill_commit(run, first, scores, logits[:, -1])[0])
@@ -254,7 +260,8 @@ def static_decode(draft, target, input_ids, block_size, mask_token_id, sampling,
             out.num_draft_forwards += 1
             draft_step = draft_fn
         positions = start + torch.arange(b, device=device)[None]
-        logits, features = verify(target, target_cache, block, positions, layer_ids, cache_kw, pass_cache_position)
+        logits, features = verify(target, target_cache, block, positions, layer_ids, cache_kw, pass_cache_position,
+                                  feature_device)
         out.num_target_forwards += 1
         accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
         new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])

@@ -10,13 +10,16 @@ One place for every family rule (notes sections 3 and 7):
 * sliding windows in every config spelling, and exact 4-D attention masks that count the window in
   TRUE positions, so ragged batches with cache holes keep each row's window;
 * RoPE whose frequencies depend on the longest position of a forward (``dynamic``, ``longrope``):
-  refused before any forward once a verify block could reach the switch;
+  ``dynamic`` refused before any forward once a verify block could reach the switch; ``longrope``
+  on Phi-3-style targets followed across it as their generate does (blocks clamped below the
+  switch, one re-prefill at it), batch 1 only;
 * the execution device of an accelerate-offloaded target, and taps moved to the draft's device.
 """
 
 import sys
 
 import torch
+import transformers
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Families whose decoder layers do not return (B, T, H) hidden states; name -> reason.
@@ -26,6 +29,9 @@ _REFUSED_FAMILIES = {
     "gemma3n_text": "Gemma-3n decoder layers return AltUp-stacked (altup_num_inputs, B, T, H) states",
 }
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+# Families whose generate drops its cache and re-prefills at the longrope switch (their own
+# ``prepare_inputs_for_generation``), which spec_generate reproduces.
+_REPREFILL_FAMILIES = ("phi3", "phimoe", "phi4_multimodal")
 
 
 def text_config(target):
@@ -179,52 +185,141 @@ def _rope_entries(cfg):
     return [(None, params)] if isinstance(params, dict) else []
 
 
+def _rope_switches(cfg) -> list:
+    """``[(rope_type, first_position)]`` for every position-dependent RoPE entry of the text config."""
+    found = []
+    for _, params in _rope_entries(cfg):
+        kind = params.get("rope_type", params.get("type"))
+        if kind == "dynamic":
+            found.append((kind, int(cfg.max_position_embeddings)))
+        elif kind == "longrope":
+            limit = params.get("original_max_position_embeddings") or getattr(
+                cfg, "original_max_position_embeddings", None) or cfg.max_position_embeddings
+            found.append((kind, int(limit)))
+    return found
+
+
 def rope_switch(target):
     """``(rope_type, first_position)`` of the earliest position-dependent RoPE switch, or None.
 
     ``dynamic``: frequencies recomputed once ``max(position_ids) + 1 > max_position_embeddings``
     (``dynamic_rope_update``). ``longrope``: long factors once it exceeds
     ``original_max_position_embeddings``. ``first_position`` is the first position index whose
-    forward uses the switched frequencies.
+    forward uses the switched frequencies (the rule holds for the WHOLE forward: every position of
+    a forward reaching it is computed with the switched frequencies).
     """
-    cfg = text_config(target)
-    found = []
-    for layer_type, params in _rope_entries(cfg):
-        kind = params.get("rope_type", params.get("type"))
-        if kind == "dynamic":
-            found.append((kind, int(cfg.max_position_embeddings), layer_type))
-        elif kind == "longrope":
-            limit = params.get("original_max_position_embeddings") or getattr(
-                cfg, "original_max_position_embeddings", None) or cfg.max_position_embeddings
-            found.append((kind, int(limit), layer_type))
-    if not found:
+    found = _rope_switches(text_config(target))
+    return min(found, key=lambda f: f[1]) if found else None
+
+
+def _reprefills_at_switch(target, limit: int) -> bool:
+    """Whether ``target.generate`` drops its cache and re-prefills at sequence length ``limit + 1``:
+    Phi-3's ``prepare_inputs_for_generation`` (also PhiMoE, Phi-4-multimodal; 4.57 and 5.x alike)
+    does so when ``input_ids`` first reach ``config.original_max_position_embeddings + 1``."""
+    kinds = {getattr(target.config, "model_type", None), getattr(text_config(target), "model_type", None)}
+    return bool(kinds & set(_REPREFILL_FAMILIES)) and getattr(
+        text_config(target), "original_max_position_embeddings", None) == limit
+
+
+def _stale_reprefill_mask(target, switch: int):
+    """Why transformers 4.x's own Phi-3 re-prefill is not the model's forward here, or None.
+
+    On 4.x, ``Phi3ForCausalLM.prepare_inputs_for_generation`` drops the cache but keeps the step's
+    ``cache_position`` (``[switch]``), so a re-prefill forward that builds an explicit mask builds it
+    for one query position: every earlier position then sees later tokens. sdpa skips the mask (and is
+    exact) when no sliding window is at most the re-prefill length ``switch + 1``; eager always builds
+    it; other kernels are not verified. 5.x passes no stale position: always exact.
+    """
+    if int(transformers.__version__.split(".")[0]) >= 5:
         return None
-    kind, limit, _ = min(found, key=lambda f: f[1])
-    return kind, limit
+    impl = getattr(target.config, "_attn_implementation", None)
+    window = getattr(text_config(target), "sliding_window", None)
+    if impl != "sdpa":
+        return f"attn_implementation={impl!r}"
+    if window and window <= switch + 1:
+        return f"sliding_window={window} <= {switch + 1}"
+    return None
 
 
-def check_rope(target, prompt_len: int, max_new_tokens: int) -> None:
-    """Refuse, before any forward, a call whose verify blocks could cross a position-dependent RoPE switch.
+def check_rope(target, prompt_len: int, max_new_tokens: int, batch: int = 1, padded: bool = False):
+    """Decide, before any forward, how a call meets a position-dependent RoPE switch.
 
     ``generate`` feeds one position per step, so a ``dynamic``/``longrope`` target computes each
     position with the frequencies of its own length; a verify block computes several positions with
-    those of its LAST one (and Phi-3's ``generate`` re-prefills at the ``longrope`` switch). Below the
-    switch both agree exactly. The highest position any forward sees is
-    ``prompt_len + max_new_tokens - 2``.
+    those of its LAST one. Below the switch both agree exactly. The highest position any forward sees
+    is ``prompt_len + max_new_tokens - 2``.
+
+    * ``dynamic`` past the switch: refused (generate recomputes the frequencies at every new length,
+      so every token past it would need its own target pass: no speculation left).
+    * ``longrope`` on a family whose generate re-prefills at the switch (Phi-3, PhiMoE,
+      Phi-4-multimodal), batch 1 without padding, prompt at most ``first_position`` tokens (on
+      transformers 4.x also sdpa without a short window: [`_stale_reprefill_mask`]): returns
+      ``first_position`` (``original_max_position_embeddings``); the loop then clamps verify blocks
+      so none crosses it and re-prefills once at committed length ``first_position + 1``, as generate
+      does ([`longrope_block_limit`]). A prompt already longer than the switch runs long factors
+      throughout, as generate does: nothing to do.
+
+    Args:
+        prompt_len: padded prompt width; max_new_tokens: the token budget (``1 << 40`` when unbounded).
+        batch: rows; padded: whether any prompt position is padding.
+
+    Returns None (nothing to do) or the longrope switch ``original_max_position_embeddings`` (int).
 
     Raises:
-        NotImplementedError: naming the RoPE type, the switch and the first position that would diverge.
+        NotImplementedError: naming the RoPE type, the switch and the first position that would
+            diverge (dynamic; longrope in a batch or padded prompt, naming the batch size; longrope on a
+            family whose generate does not re-prefill there; on 4.x, a re-prefill generate gets wrong).
     """
-    switch = rope_switch(target)
-    if switch is None or max_new_tokens < 2:
-        return
-    kind, first = switch
+    if max_new_tokens < 2:
+        return None
     last = prompt_len + max_new_tokens - 2
-    if last >= first:
-        raise NotImplementedError(
-            f"target RoPE type {kind!r} changes its frequencies from position {first} on (sequence length > {first}); "
-            f"this call would reach position {last}, and a verify block there would not match generate. Keep "
-            f"prompt_len + max_new_tokens <= {first + 1} (here {prompt_len} + {max_new_tokens})")
+    crossing = None
+    for kind, first in sorted(_rope_switches(text_config(target)), key=lambda f: f[1]):
+        if last < first:
+            continue
+        head = (f"target RoPE type {kind!r} changes its frequencies from position {first} on (sequence length > "
+                f"{first}); this call would reach position {last}")
+        if kind == "dynamic":
+            raise NotImplementedError(
+                f"{head}, and a verify block there would not match generate (which recomputes the frequencies "
+                f"at every new length). Keep prompt_len + max_new_tokens <= {first + 1} (here {prompt_len} + "
+                f"{max_new_tokens})")
+        if batch > 1 or padded:
+            raise NotImplementedError(
+                f"{head}; crossing it is supported at batch size 1 without padding only (got batch {batch}"
+                f"{', padded' if padded else ''}). Run the prompts one at a time, or keep prompt_len + "
+                f"max_new_tokens <= {first + 1}")
+        if not _reprefills_at_switch(target, first):
+            raise NotImplementedError(
+                f"{head}; spec_generate follows generate across it only for families whose generate re-prefills "
+                f"there ({', '.join(_REPREFILL_FAMILIES)}), not {getattr(target.config, 'model_type', None)!r}. "
+                f"Keep prompt_len + max_new_tokens <= {first + 1}")
+        if prompt_len > first:
+            continue  # the prefill already runs long factors, and so does every later forward
+        stale = _stale_reprefill_mask(target, first)
+        if stale is not None:
+            raise NotImplementedError(
+                f"{head}; with {stale}, transformers {transformers.__version__}'s own Phi-3 generate re-prefills "
+                f"there with a stale cache_position (its mask covers one query), so generate differs from the "
+                f"model's forward and spec_generate cannot follow it. Use attn_implementation='sdpa' without a "
+                f"sliding window <= {first + 1}, or transformers >= 5")
+        if crossing is not None and crossing != first:
+            raise NotImplementedError(f"target has two longrope switches ({crossing} and {first}); not supported")
+        crossing = first
+    return crossing
+
+
+def longrope_block_limit(switch: int, committed: int, block_size: int) -> int:
+    """Block size for a verify step of a longrope target below its switch (``check_rope``).
+
+    With ``committed`` tokens (the last, the anchor, not yet in the target cache), a verify block of
+    ``b`` slots covers positions ``committed - 1 .. committed + b - 2`` and uses long factors for ALL of
+    them once ``committed + b - 1 > switch`` (``longrope_frequency_update``); generate computes every
+    token up to position ``switch`` with short factors. So while ``committed <= switch`` the block is
+    cut to ``switch - committed + 1`` (1 at ``committed == switch``: the anchor alone, as generate's
+    last short step). Past it, ``block_size`` is returned unchanged.
+    """
+    return min(block_size, switch - committed + 1) if committed <= switch else block_size
 
 
 # ----------------------------------------------------------------------------- draft embedding / logits
@@ -306,6 +401,6 @@ FAMILY = sys.modules[__name__]
 __all__ = [
     "FAMILY", "concat_taps", "draft_block_embedding", "draft_logits",
     "check_family", "check_rope", "check_tap", "decoder_parts", "draft_device", "execution_device",
-    "layer_windows", "prefill_kwargs", "rope_switch", "sliding_target", "target_mask", "text_config",
+    "layer_windows", "longrope_block_limit", "prefill_kwargs", "rope_switch", "sliding_target", "target_mask", "text_config",
     "window_masks",
 ]
