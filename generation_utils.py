@@ -891,8 +891,10 @@ def spec_generate(
             contrastive search, guidance, other speculative methods, attentions/hidden states,
             token healing), recurrent-state targets outside ``target_cache.HYBRID_FAMILIES`` (or on a
             transformers version without linear-attention cache layers, e.g. Qwen3-Next on 4.57),
-            families refused by name (``target_families``), a call that would cross a
-            ``dynamic``/``longrope`` RoPE switch (no budget: any such target).
+            families refused by name (``target_families``), a call that would cross a ``dynamic``
+            RoPE switch (no budget: any such target), or a ``longrope`` one in a batch, with padding,
+            or where generate's own re-prefill is not followed (``target_families.check_rope``;
+            Phi-3-style targets at batch 1 cross it exactly: blocks clamped, one re-prefill).
     """
     _check_is_causal_lm(target)
     _families.check_family(target)
