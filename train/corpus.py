@@ -185,7 +185,10 @@ def left_extend(tokenizer, prompt: str, path: str, lineno: int, length: int, roo
             texts[rel] = text
         return text
 
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    def encode(text):  # whole files exceed the tokenizer's model_max_length: no warning, the ids are cut later
+        return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    ids = encode(prompt)
     if len(ids) >= length:
         return ids
     own = read(path)
@@ -194,7 +197,7 @@ def left_extend(tokenizer, prompt: str, path: str, lineno: int, length: int, roo
         at = sum(len(l) for l in own.splitlines(keepends=True)[: lineno - 1])
     front = []
     for text in [own[:at]] + [read(f) + "\n" for f in files if f != path]:
-        front = tokenizer(text, add_special_tokens=False)["input_ids"] + front
+        front = encode(text) + front
         if len(front) + len(ids) >= length:
             return (front + ids)[-length:]
     raise ValueError(f"the given files give only {len(front) + len(ids)} tokens, {length} asked for")
