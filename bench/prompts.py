@@ -113,13 +113,6 @@ def heldout_files(manifest=MANIFEST) -> list[str]:
     return [e["path"] for e in json.loads(Path(manifest).read_text())["heldout"]]
 
 
-def _read(root: Path, rel: str) -> str:
-    try:
-        return (root / rel).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return ""
-
-
 def extend_prompt(tokenizer, record: dict, length: int, root=None, files: list[str] | None = None) -> list[int]:
     """Token ids of a held-out prompt left-extended to ``length`` tokens.
 
@@ -135,21 +128,11 @@ def extend_prompt(tokenizer, record: dict, length: int, root=None, files: list[s
     Raises:
         ValueError: not enough held-out text to reach ``length``.
     """
-    from train.corpus import stdlib_root
+    from train.corpus import left_extend, stdlib_root
 
     root = Path(root) if root is not None else stdlib_root()
-    prompt = record["turns"][0]
-    ids = encode(tokenizer, prompt)
-    if len(ids) >= length:
-        return ids
-    own = _read(root, record["path"])
-    at = own.find(prompt)
-    if at < 0:  # fall back to the recorded line
-        at = sum(len(l) for l in own.splitlines(keepends=True)[: record["lineno"] - 1])
-    prefixes = [own[:at]] + [_read(root, f) + "\n" for f in (files or heldout_files()) if f != record["path"]]
-    front = []
-    for text in prefixes:
-        front = encode(tokenizer, text) + front
-        if len(front) + len(ids) >= length:
-            return (front + ids)[-length:]
-    raise ValueError(f"held-out text gives only {len(front) + len(ids)} tokens, {length} asked for")
+    try:
+        return left_extend(tokenizer, record["turns"][0], record["path"], record.get("lineno", 1), length, root,
+                           files or heldout_files())
+    except ValueError as e:
+        raise ValueError(f"held-out text: {e}") from None

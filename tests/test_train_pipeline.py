@@ -180,3 +180,24 @@ def test_default_output_is_under_runs_and_never_pair():
     from train.presets import spread_layer_ids
 
     assert spread_layer_ids(36) == [1, 9, 17, 25, 33]  # the published Qwen3-8B drafter's taps
+
+
+PAIR_DRAFTER = str(Path(__file__).resolve().parents[1] / "pair" / "drafter")
+
+
+def test_long_prompt_and_fine_tune_flags_are_checked_before_any_work(tmp_path):
+    args = td.parse_args(["--preset", "pair-long", "--init", PAIR_DRAFTER])
+    assert args.long_lengths == (64, 1152) and args.max_len >= 1152 + args.max_new_tokens
+    for bad in ("64", "a:b", "900:64", "0:10"):
+        with pytest.raises(td.UsageError, match="--long-prompts"):
+            td.parse_args(["--long-prompts", bad])
+    with pytest.raises(td.UsageError, match="--data"):
+        td.parse_args(["--long-prompts", "64:128", "--data", "x.jsonl"])
+    with pytest.raises(td.UsageError, match="--init"):
+        td.parse_args(["--init", str(tmp_path)])  # no config.json there
+    wrong = td.parse_args(["--preset", "pair-long", "--init", PAIR_DRAFTER, "--layers", "3"])
+    with pytest.raises(td.UsageError, match="--layers 2"):
+        td._fine_tune_start(wrong, [1, 3, 5], 1)
+    ok = td.parse_args(["--preset", "pair-long", "--init", PAIR_DRAFTER])
+    draft, report = td._fine_tune_start(ok, [1, 3, 5], 1)
+    assert report == {"fine_tuned_from": PAIR_DRAFTER} and draft.dtype == torch.float32

@@ -158,6 +158,51 @@ def select_prompts(held: list[str], root: Path | None = None, n: int = 16,
     return chosen
 
 
+def left_extend(tokenizer, prompt: str, path: str, lineno: int, length: int, root, files: list[str],
+                texts: dict | None = None) -> list[int]:
+    """Token ids of ``prompt`` left-extended to ``length`` tokens with text of its own split.
+
+    The prompt is kept whole; in front of it goes the source that precedes it in its own file
+    (``path``; found by text, else by ``lineno``), then whole files of ``files`` in the given order
+    (``path`` itself skipped), each followed by a newline. Prompts already ``length`` tokens or longer
+    are returned as is. The benchmark's prompt-length sweep passes the HELD-OUT files, the long-prompt
+    training data the TRAINING files, so neither ever reads the other split.
+
+    Args:
+        root: the standard-library folder; ``texts`` an optional ``{rel: text}`` cache.
+
+    Raises:
+        ValueError: ``files`` hold too little text to reach ``length`` (says how many tokens they give).
+    """
+    def read(rel):
+        if texts is not None and rel in texts:
+            return texts[rel]
+        try:
+            text = read_source(Path(root), rel) or ""
+        except OSError:  # a file listed but not present (another Python's manifest)
+            text = ""
+        if texts is not None:
+            texts[rel] = text
+        return text
+
+    def encode(text):  # whole files exceed the tokenizer's model_max_length: no warning, the ids are cut later
+        return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    ids = encode(prompt)
+    if len(ids) >= length:
+        return ids
+    own = read(path)
+    at = own.find(prompt)
+    if at < 0:  # fall back to the recorded line
+        at = sum(len(l) for l in own.splitlines(keepends=True)[: lineno - 1])
+    front = []
+    for text in [own[:at]] + [read(f) + "\n" for f in files if f != path]:
+        front = encode(text) + front
+        if len(front) + len(ids) >= length:
+            return (front + ids)[-length:]
+    raise ValueError(f"the given files give only {len(front) + len(ids)} tokens, {length} asked for")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="pair", help="output folder")

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m train.train_drafter", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = ap.add_argument
-    a("--preset", choices=["smoke", "pair", "dflash-b16", "dflash-b10", "dflash-b8"], default=None,
+    a("--preset", choices=["smoke", "pair", "pair-long", "dflash-b16", "dflash-b10", "dflash-b8"], default=None,
       help="named flag set (train/presets.py); explicit flags override it")
     a("--name", default=None, help="run name: output under runs/<name>/ (default: the preset name, else 'drafter')")
     a("--output-dir", default=None, help="instead of runs/<name>/")
@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-layer-ids", default="1,3,5",
                    help="comma-separated 0-based target layers (output of layer k); empty: 5 spread over the depth")
     g.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token")
-    g.add_argument("--init", choices=["target", "random"], default="target", help="see train/model_init.py")
+    g.add_argument("--init", default="target",
+                   help="'target' (see train/model_init.py), 'random', or a drafter folder to fine-tune (its layers, "
+                        "block size and target layer ids must match the flags)")
     g = ap.add_argument_group("data")
     g.add_argument("--data", default=None,
                    help="chat dataset ({'messages': [...]} rows): .jsonl/.json file or Hub id (streamed); "
@@ -107,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-temperature", type=float, default=0.8)
     g.add_argument("--gen-batch", type=int, default=32, help="prompts per generate call")
     g.add_argument("--max-len", type=int, default=512, help="tokens per training sequence (prompt + response)")
+    g.add_argument("--long-prompts", default=None, metavar="LO:HI",
+                   help="left-extend a --long-fraction share of the built-in prompts to LO..HI tokens with training-"
+                        "split source (train.data.long_training_prompt_ids); without --data only")
+    g.add_argument("--long-fraction", type=float, default=0.75, help="share of prompts --long-prompts extends")
     g = ap.add_argument_group("target features")
     g.add_argument("--features", choices=["live", "cache"], default="live",
                    help="run the target per batch, or once into runs/<name>/features/ (safetensors shards)")
@@ -163,11 +169,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("num_prompts", "batch", "grad_accum", "anchors", "max_len", "threads", "gen_batch"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    args.long_lengths = _parse_lengths(args.long_prompts) if args.long_prompts else None
+    if args.long_lengths and (args.data or args.responses):
+        raise UsageError("--long-prompts extends the built-in training prompts; it cannot be used with --data/--responses")
+    if args.init not in ("target", "random") and not (Path(args.init) / "config.json").is_file():
+        raise UsageError(f"--init {args.init!r}: expected 'target', 'random' or a drafter folder with a config.json")
     if not 0 <= args.sampled_fraction <= 1:
         raise UsageError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
     args.name = args.name or preset or "drafter"
     args.output_dir = Path(args.output_dir or Path("runs") / args.name)
     return args
+
+
+def _parse_lengths(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise UsageError(f"--long-prompts {text!r}: expected LO:HI token counts, e.g. 64:1152") from None
+    if not 1 <= lo <= hi:
+        raise UsageError(f"--long-prompts {text!r}: expected 1 <= LO <= HI")
+    return lo, hi
 
 
 # ----------------------------------------------------------------------------- phases
@@ -227,6 +248,10 @@ def _data_phase(args, tok, target, write: bool):
             else:
                 ids = [p["prompt_ids"] for p in prompts]
                 _answer(args, tok, target, ids[n_eval:], ids[:n_eval], d)
+        elif args.long_lengths:
+            ids = data.long_training_prompt_ids(tok, args.num_prompts + n_eval, args.long_lengths, args.long_fraction,
+                                                seed=args.seed)
+            _answer(args, tok, target, ids[n_eval:], ids[:n_eval], d, by_length=True)
         else:
             texts = data.training_prompts(args.num_prompts + n_eval, seed=args.seed)
             ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -236,17 +261,41 @@ def _data_phase(args, tok, target, write: bool):
     return train, held
 
 
-def _answer(args, tok, target, train_ids, eval_ids, d):
-    """The target's responses: greedy, a ``--sampled-fraction`` share sampled; eval prompts greedy."""
+def _answer(args, tok, target, train_ids, eval_ids, d, by_length: bool = False):
+    """The target's responses: greedy, a ``--sampled-fraction`` share sampled; eval prompts greedy.
+    ``by_length``: each part is answered in prompt-length order (padded batches of long prompts of
+    mixed lengths would otherwise spend most of their compute on padding)."""
     from train.data import regenerate_responses
 
     n_sampled = int(round(args.sampled_fraction * len(train_ids)))
+    if by_length:
+        def by_len(part):
+            return sorted(part, key=len)
+        train_ids = by_len(train_ids[:n_sampled]) + by_len(train_ids[n_sampled:])
+        eval_ids = by_len(eval_ids)
     common = dict(max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, progress=not args.no_progress)
     regenerate_responses(target, tok, train_ids[n_sampled:], d / "train_greedy.jsonl", seed=args.seed, **common)
     if n_sampled:
         regenerate_responses(target, tok, train_ids[:n_sampled], d / "train_sampled.jsonl",
                              temperature=args.sample_temperature, seed=args.seed + 1, **common)
     regenerate_responses(target, tok, eval_ids, d / "eval.jsonl", seed=args.seed + 2, **common)
+
+
+def _fine_tune_start(args, layer_ids, mask_id):
+    """``--init DIR``: the drafter in DIR (fp32) to continue training, after checking it is the drafter
+    the flags describe. Raises UsageError naming the first field that differs."""
+    import torch
+
+    from train._paths import DFlashDraftModel
+
+    draft = DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32)
+    c = draft.config
+    for name, have, want in (("--layers", c.num_hidden_layers, args.layers), ("--block-size", c.block_size, args.block_size),
+                             ("--target-layer-ids", list(c.target_layer_ids), list(layer_ids)),
+                             ("--mask-token-id", c.mask_token_id, mask_id)):
+        if have != want:
+            raise UsageError(f"--init {args.init}: the drafter has {name} {have}, the flags ask for {want}")
+    return draft, {"fine_tuned_from": str(args.init)}
 
 
 def _prepare_output_dir(args) -> None:
@@ -343,7 +392,10 @@ def run(args) -> dict:
                                  target_model_id=str(args.target))
         torch.manual_seed(args.seed)
         draft = DFlashDraftModel(cfg)
-        init_report = init_draft_from_target(draft, target) if args.init == "target" else {"copied": []}
+        if args.init not in ("target", "random"):
+            draft, init_report = _fine_tune_start(args, layer_ids, mask_id)
+        else:
+            init_report = init_draft_from_target(draft, target) if args.init == "target" else {"copied": []}
         if acc.is_main_process:
             log_path.write_text("")
     tcfg = TrainConfig(num_anchors=args.anchors, batch_size=args.batch, grad_accum=args.grad_accum,
