@@ -12,6 +12,7 @@ from train import blocks, data, evaluate, features, loop
 from train import train_drafter as td
 
 REPO = Path(__file__).resolve().parents[1]
+PAIR_DRAFTER = str(REPO / "pair" / "drafter")
 
 THINK_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -173,16 +174,15 @@ def test_default_output_is_under_runs_and_never_pair():
     args = td.parse_args(["--preset", "smoke"])
     assert args.output_dir == Path("runs") / "smoke" and args.target == "pair/target"
     assert td.parse_args(["--name", "x"]).output_dir == Path("runs/x")
-    assert td.parse_args(["--reproduce-pair"]).preset == "pair"
+    assert td.parse_args(["--reproduce-pair", "--init", PAIR_DRAFTER]).preset == "pair-long"
     with pytest.raises(td.UsageError, match="reproduce-pair"):
         td.parse_args(["--reproduce-pair", "--preset", "smoke"])
+    with pytest.raises(td.UsageError, match="stage-1"):
+        td.parse_args(["--reproduce-pair"])
     assert td.parse_args(["--preset", "smoke", "--epochs", "9"]).epochs == 9  # explicit flags win
     from train.presets import spread_layer_ids
 
     assert spread_layer_ids(36) == [1, 9, 17, 25, 33]  # the published Qwen3-8B drafter's taps
-
-
-PAIR_DRAFTER = str(Path(__file__).resolve().parents[1] / "pair" / "drafter")
 
 
 def test_long_prompt_and_fine_tune_flags_are_checked_before_any_work(tmp_path):

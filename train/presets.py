@@ -2,15 +2,14 @@
 
 * ``smoke``: a quick end-to-end run against the shipped ``pair/target`` (a few dozen target responses, a
   1-layer drafter, a feature cache, an eval with tau): checks an installation in about a minute on CPU.
-* ``pair``: the exact recipe of the shipped ``pair/drafter`` (with ``--reproduce-pair`` it is written
-  back into ``pair/``).
-* ``pair-long``: the recipe of the shipped ``pair/drafter`` since issue 15: the earlier short-prompt
-  drafter fine-tuned on target continuations of prompts left-extended to 64..1152 tokens with
+* ``pair``: stage 1 of the shipped ``pair/drafter``: short prompts (``--name pair-short``).
+* ``pair-long``: stage 2 of the shipped ``pair/drafter`` (with ``--reproduce-pair`` it is written
+  back into ``pair/``): the stage-1 drafter fine-tuned on target continuations of prompts left-extended to 64..1152 tokens with
   training-split source (75% of them; the rest stay short), sequences up to 1312 tokens. A
   long-context stage by continued training of a short-context model on longer sequences, as in
   Xiong et al. 2023, "Effective Long-Context Scaling of Foundation Models" (section 2: continual
   pretraining from Llama 2 checkpoints on longer sequences); applying it to a DFlash drafter is our
-  own choice. Pass ``--init`` with the short-prompt drafter folder.
+  own choice. Pass ``--init`` with the stage-1 drafter folder.
 * ``dflash-b16`` / ``dflash-b10`` / ``dflash-b8``: the published recipe for real targets (DFlash paper,
   section 4 and appendix): 5 draft layers, 5 target taps spread over the depth, AdamW lr 6e-4, cosine
   with 4% warmup, grad clip 1.0, 6 epochs, sequences up to 3072 tokens, up to 512 anchors per sequence,
@@ -38,7 +37,7 @@ PRESETS = {
     "pair-long": dict(target="pair/target", layers=2, block_size=16, target_layer_ids="1,3,5", num_prompts=960,
                       num_eval_prompts=48, max_new_tokens=128, sampled_fraction=0.25, gen_batch=32, max_len=1312,
                       long_prompts="64:1152", long_fraction=0.75, anchors=32, batch=4, grad_accum=1, epochs=20,
-                      lr=1e-3, warmup_ratio=0.02, max_minutes=55, threads=2, eval_every=250, eval_tau_prompts=4,
+                      lr=1e-3, warmup_ratio=0.02, max_minutes=35, threads=2, eval_every=250, eval_tau_prompts=4,
                       eval_max_new_tokens=64, ckpt_every=50, log_every=10, features="cache", cache_dtype="float32",
                       mixed_precision="no"),
     "dflash-b16": dict(_PUBLISHED, block_size=16, gamma=7.0),

@@ -4,7 +4,8 @@
     python -m train.train_drafter --preset smoke --threads 1 --resume # continue after Ctrl-C
     accelerate launch --multi_gpu --num_processes 8 -m train.train_drafter --preset dflash-b16 \\
         --target Qwen/Qwen3-8B --data chat.jsonl --name qwen3-8b-b16
-    python -m train.train_drafter --preset pair --reproduce-pair      # rebuild the shipped pair/drafter
+    python -m train.train_drafter --preset pair --name pair-short     # stage 1 of the shipped pair/drafter
+    python -m train.train_drafter --preset pair-long --init runs/pair-short/drafter --reproduce-pair  # stage 2
 
 Everything a run writes goes under ``runs/<name>/`` (``--output-dir``): ``data/`` (the target's
 responses, JSONL), ``features/`` (the feature cache, when used), ``checkpoints/``, ``train_log.jsonl``,
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--name", default=None, help="run name: output under runs/<name>/ (default: the preset name, else 'drafter')")
     a("--output-dir", default=None, help="instead of runs/<name>/")
     a("--reproduce-pair", action="store_true",
-      help="also copy the final drafter, log and summary into pair/ (implies --preset pair)")
+      help="also copy the final drafter, log and summary into pair/ (implies --preset pair-long; needs --init with "
+           "the stage-1 drafter of --preset pair)")
     a("--resume", action="store_true", help="continue the run in --output-dir (data, features, newest checkpoint)")
     a("--overwrite", action="store_true", help="delete an existing --output-dir first")
     a("--debug", action="store_true", help="show tracebacks instead of one-line errors")
@@ -154,9 +156,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     ap = build_parser()
     pre, _ = ap.parse_known_args(argv)
-    preset = "pair" if pre.reproduce_pair and pre.preset is None else pre.preset
-    if pre.reproduce_pair and preset != "pair":
-        raise UsageError(f"--reproduce-pair rebuilds pair/drafter with --preset pair, not --preset {preset}")
+    preset = "pair-long" if pre.reproduce_pair and pre.preset is None else pre.preset
+    if pre.reproduce_pair and preset != "pair-long":
+        raise UsageError(f"--reproduce-pair rebuilds pair/drafter with --preset pair-long, not --preset {preset}")
+    if pre.reproduce_pair and pre.init in ("target", "random"):
+        raise UsageError("--reproduce-pair fine-tunes the stage-1 drafter: first run `--preset pair --name pair-short`, "
+                         "then pass --init runs/pair-short/drafter")
     if preset:
         ap.set_defaults(preset=preset, **PRESETS[preset])
     args = ap.parse_args(argv)
