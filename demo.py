@@ -49,8 +49,15 @@ def parse_args(argv=None):
     ap.add_argument("--quiet", action="store_true", help="do not print the generated code")
     add_debug_flag(ap)
     args = ap.parse_args(argv)
+    given = argv if argv is not None else sys.argv[1:]
     if args.quick:
+        if "--max-new-tokens" in given or "--num-prompts" in given:
+            ap.error("--quick sets 2 prompts x 32 tokens; drop --num-prompts/--max-new-tokens or --quick")
         args.num_prompts, args.max_new_tokens = 2, 32
+    for flag, low in (("num_prompts", 1), ("max_new_tokens", 1), ("threads", 0), ("block_size", 1)):
+        value = getattr(args, flag)
+        if value is not None and value < low:
+            ap.error(f"--{flag.replace('_', '-')} must be >= {low}, got {value}")
     return args
 
 
@@ -85,6 +92,8 @@ def load_pair(target_path: str, draft_path: str, device, dtype=None):
     for what, path in (("target", target_path), ("drafter", draft_path)):
         if not Path(path, "config.json").is_file():
             raise CommandError(f"--{'draft' if what == 'drafter' else what} {path}: no config.json there; pass a model folder")
+    if "DFlashDraftModel" in json.loads(Path(target_path, "config.json").read_text()).get("architectures", []):
+        raise CommandError(f"--target {target_path}: a DFlash drafter folder; pass the target model (e.g. pair/target)")
     try:
         tok = AutoTokenizer.from_pretrained(target_path)
         target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
@@ -92,6 +101,11 @@ def load_pair(target_path: str, draft_path: str, device, dtype=None):
     except SafetensorError as err:
         raise CommandError(f"unreadable safetensors weights in {target_path} or {draft_path} ({err}): "
                            "restore the folder (git checkout pair/)") from err
+    if not hasattr(draft, "spec_generate"):
+        raise CommandError(f"--draft {draft_path}: {type(draft).__name__} is not a DFlash drafter (no spec_generate); "
+                           "pass a drafter folder such as pair/drafter")
+    if not hasattr(target, "get_output_embeddings") or target.get_output_embeddings() is None:
+        raise CommandError(f"--target {target_path}: not a causal LM with an output head")
     return draft, target, tok
 
 
@@ -115,13 +129,30 @@ def per_position_acceptance(acceptance_lengths: list[int], block_size: int) -> l
     return [sum(a > k for a in acceptance_lengths) / n for k in range(1, block_size)]
 
 
+def _device(name: str):
+    """The torch device for ``--device``; CommandError for a bad name or CUDA asked for without CUDA."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CommandError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {name}: this torch has no usable CUDA (torch {torch.__version__}); use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise CommandError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
+    return device
+
+
 def run(args) -> int:
     """The demo; returns the exit status (0 = every output equals the target's)."""
     import torch
 
     if not Path(args.prompts).is_file():
         raise CommandError(f"--prompts {args.prompts}: no such file; pass a JSON list of {{'path', 'name', 'prompt'}}")
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = _device(args.device)
     threads = 1 if args.threads is None else args.threads
     if threads:
         torch.set_num_threads(threads)

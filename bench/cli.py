@@ -1,8 +1,8 @@
 """The benchmark command: contenders interleaved in one process on the same target.
 
     python -m bench                                   # embedded pair, 16 held-out prompts x 128 tokens
-    python -m bench --reference-dir ~/src/dflash      # + the authors' loop from a local copy of their code
-    python -m bench --baseline /tmp/old_drafter       # + a drafter folder with its own (older) remote code
+    python -m bench --reference-dir REFERENCE_DIR    # + the authors' loop from a local copy of their code
+    python -m bench --baseline OLD_DRAFTER_DIR       # + a drafter folder with its own (older) remote code
     python -m bench --sweep 64,512,1024               # + prompt-length sweep (held-out prompts left-extended)
     python -m bench --dataset gsm8k --chat-template   # an evaluation set through `datasets` (needs the Hub)
 
@@ -56,7 +56,30 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="bench_report.json")
     ap.add_argument("--plot", default="bench_report.png", help="'' for none")
     ap.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    unknown = [w for w in _names(args.contenders) if w not in CONTENDERS]
+    if unknown:
+        ap.error(f"--contenders: unknown {unknown}; expected names from {', '.join(CONTENDERS)}")
+    for flag in ("num_prompts", "max_new_tokens", "rounds", "sweep_prompts", "sweep_rounds"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.baseline and not (Path(args.baseline) / "config.json").is_file():
+        ap.error(f"--baseline {args.baseline}: no config.json there; pass a drafter folder")
+    if args.reference_dir and not (Path(args.reference_dir) / "dflash" / "model.py").is_file():
+        ap.error(f"--reference-dir {args.reference_dir}: expected a copy of the authors' repository (with dflash/model.py)")
+    for flag in ("sweep", "block_sizes"):
+        text = getattr(args, flag)
+        if not all(x.strip().isdigit() and int(x) > 0 for x in text.split(",") if x.strip()) or (
+                flag == "block_sizes" and not text.strip()):
+            ap.error(f"--{flag.replace('_', '-')} {text!r}: expected positive integers separated by commas")
+    return args
+
+
+CONTENDERS = ("target", "package", "prompt_lookup", "native", "reference", "baseline", "adaptive")
+
+
+def _names(text: str) -> list[str]:
+    return [w.strip() for w in text.split(",") if w.strip()]
 
 
 def load_models(args, device, dtype):
@@ -71,7 +94,10 @@ def load_models(args, device, dtype):
 def build_contenders(args, target, draft, device, dtype) -> list:
     """The requested contenders that can run here (``native`` needs transformers with DFlash support,
     ``reference``/``baseline`` their folders); the ones skipped are printed."""
-    want = [w.strip() for w in args.contenders.split(",") if w.strip()]
+    want = _names(args.contenders)
+    for name, flag, value in (("reference", "--reference-dir", args.reference_dir), ("baseline", "--baseline", args.baseline)):
+        if name in want and not value:
+            print(f"skipped {name}: it needs {flag}", file=sys.stderr)
     blocks = [int(b) for b in args.block_sizes.split(",")]
     out = []
     if "target" in want:
@@ -124,7 +150,10 @@ def main(argv=None) -> dict:
     clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
     sampling = {"temperature": args.temperature}
     tok, target, draft = load_models(args, device, dtype)
-    records = load_prompts(args, tok)
+    try:
+        records = load_prompts(args, tok)
+    except (OSError, ConnectionError) as err:  # no such file, or the Hub cannot be reached
+        raise SystemExit(f"error: cannot load the prompts ({args.dataset or args.prompts}): {str(err).splitlines()[0]}")
     texts = [render(tok, r["turns"], args.chat_template, args.enable_thinking) for r in records]
     prompts = [torch.tensor([encode(tok, t)], device=device) for t in texts]
     cons = build_contenders(args, target, draft, device, dtype)

@@ -61,6 +61,13 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def _network_error(err: BaseException) -> bool:
+    """A transport error of the HTTP client huggingface_hub uses (httpx: connect/read/timeout), which is
+    not an ``OSError``; requests' connection errors are ``OSError`` and handled with those."""
+    return isinstance(err, ConnectionError) or any(
+        c.__module__.split(".")[0].startswith("httpx") and c.__name__ == "TransportError" for c in type(err).__mro__)
+
+
 def expected_failure(err: BaseException):
     """The one-line message of an expected failure, or None when ``err`` is a bug (keep its traceback)."""
     if isinstance(err, CommandError):
@@ -68,6 +75,8 @@ def expected_failure(err: BaseException):
     message = hub_error_message(err, "the Hub repo")
     if message is not None:
         return message
+    if _network_error(err):
+        return f"cannot reach the Hugging Face Hub (no network?): {_first_line(err)}"
     if isinstance(err, OSError):  # file system, and transformers' "not a folder nor a Hub id" / "couldn't connect"
         if err.filename and err.strerror:
             return f"{err.strerror}: {err.filename}"

@@ -147,3 +147,20 @@ def test_benchmark_smoke_on_the_embedded_pair(tmp_path):
     assert all(not e.get("mismatches") for e in main_.values())  # greedy: every output is the target's
     assert saved["environment"]["threads"] == 1 and saved["environment"]["dtype"] == "float32"
     assert set(saved["sweep"]) == {"48"} and saved["sweep"]["48"]["contenders"]["package@8"]["tau"] >= 1.0
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--contenders", "target,pakage"], "unknown ['pakage']"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--sweep", "abc"], "--sweep 'abc'"),
+    (["--block-sizes", "16,x"], "--block-sizes '16,x'"),
+    (["--baseline", "no/such/folder"], "--baseline no/such/folder"),
+    (["--reference-dir", "."], "dflash/model.py"),
+])
+def test_bench_bad_arguments_stop_before_any_work(argv, expected, capsys):
+    from bench import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.parse_args(argv)
+    assert stop.value.code == 2 and expected in capsys.readouterr().err

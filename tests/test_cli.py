@@ -133,3 +133,34 @@ def test_help_needs_no_torch():
                                                               "runpy.run_path('demo.py', run_name='__main__')")],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-1500:]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--threads", "-1"], "--threads must be >= 0"),
+    (["--block-size", "0"], "--block-size must be >= 1"),
+    (["--quick", "--max-new-tokens", "9"], "--quick sets"),
+])
+def test_demo_bad_numbers_stop_at_argument_parsing(argv, expected, capsys):
+    with pytest.raises(SystemExit) as stop:
+        demo.parse_args(argv)
+    assert stop.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_demo_wrong_device_or_swapped_folders_are_one_line(capsys):
+    assert demo.main(["--quick", "--device", "tpu"]) == 1
+    assert "--device 'tpu'" in _one_error_line(capsys)
+    assert demo.main(["--quick", "--target", str(REPO / "pair" / "drafter")]) == 1
+    assert "a DFlash drafter folder" in _one_error_line(capsys)
+
+
+def test_network_errors_of_the_hub_client_are_one_line():
+    """huggingface_hub's HTTP client raises transport errors that are not OSError (httpx-style)."""
+    from convert.cli import expected_failure
+
+    transport = type("TransportError", (Exception,), {"__module__": "httpx2"})
+    connect = type("ConnectError", (transport,), {"__module__": "httpx2"})
+    assert expected_failure(connect("[Errno -2] Name or service not known")).startswith("cannot reach the Hugging Face Hub")
+    assert expected_failure(ConnectionError("refused")).startswith("cannot reach")
+    assert expected_failure(RuntimeError("a bug")) is None  # bugs keep their traceback

@@ -356,6 +356,9 @@ def run(args) -> dict:
     mask_id = args.mask_token_id if args.mask_token_id is not None else tok.mask_token_id
     if mask_id is None:
         raise UsageError("the tokenizer has no mask token; pass --mask-token-id (a reserved, never-generated id)")
+    fine_tune = None
+    if args.init not in ("target", "random") and not args.resume:  # checked before the long data phase
+        fine_tune = _fine_tune_start(args, layer_ids, mask_id)
 
     t_data = time.time()
     try:
@@ -397,8 +400,8 @@ def run(args) -> dict:
                                  target_model_id=str(args.target))
         torch.manual_seed(args.seed)
         draft = DFlashDraftModel(cfg)
-        if args.init not in ("target", "random"):
-            draft, init_report = _fine_tune_start(args, layer_ids, mask_id)
+        if fine_tune is not None:
+            draft, init_report = fine_tune
         else:
             init_report = init_draft_from_target(draft, target) if args.init == "target" else {"copied": []}
         if acc.is_main_process:
