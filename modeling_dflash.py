@@ -9,9 +9,7 @@ z-lab / SpecForge checkpoints, so they load strictly with no renaming.
 """
 
 import functools
-import hashlib
 import math
-import os
 import sys
 from typing import Optional
 
@@ -21,74 +19,50 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-_SOURCE_SHA = "__dflash_source_sha256__"  # set on each sibling module: the sha256 of the file it ran
-
-
-def _sibling_modules() -> dict:
-    """``{name: module}`` of the modules of this file's package that were loaded from this file's folder."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    prefix = __package__ + "."
-    found = {}
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        if name.startswith(prefix) and name != __name__ and path and os.path.dirname(os.path.abspath(path)) == here:
-            found[name] = module
-    return found
-
-
-def _file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def _forget_stale_siblings() -> None:
-    """Drop the sibling modules from ``sys.modules`` when a file of theirs changed since it ran.
-
-    transformers runs a folder's remote code from one cache package per folder (4.57: keyed by the
-    folder's basename only) and re-executes this modeling file when it or a file it imports changed,
-    but a plain relative import then returns the sibling module already in ``sys.modules``: a second
-    folder with the same name, or the same folder after an edit, would silently run the FIRST
-    ``generation_utils.py``. Every module of this package loaded from this folder (siblings of
-    siblings included) whose file no longer has the bytes it ran is stale, and when one is, all of them
-    are forgotten (a module whose own file is unchanged may hold names imported from a changed one),
-    so the imports below run the folder's own files. Modules that transformers loads itself
-    (``__transformers_module_hash__``: the configuration file) are left to its own reload check.
-    """
-    ours = {n: m for n, m in _sibling_modules().items() if not hasattr(m, "__transformers_module_hash__")}
-    if any(not os.path.isfile(m.__file__) or getattr(m, _SOURCE_SHA, None) != _file_sha256(m.__file__)
-           for m in ours.values()):
-        for name in ours:
-            del sys.modules[name]
-
-
-def _record_sibling_sources() -> None:
-    """Stamp each newly imported sibling module with the sha256 of the file it ran (see [`_forget_stale_siblings`])."""
-    for module in _sibling_modules().values():
-        if not hasattr(module, _SOURCE_SHA) and not hasattr(module, "__transformers_module_hash__"):
-            setattr(module, _SOURCE_SHA, _file_sha256(module.__file__))
-
-
+# Module-cache repair first (why: remote_code_cache.py). The repair module itself always runs afresh.
 if __package__:
-    _forget_stale_siblings()
+    sys.modules.pop(f"{__package__}.remote_code_cache", None)
+try:
+    from .remote_code_cache import _forget_stale_siblings, _record_sibling_sources
+except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from remote_code_cache import _forget_stale_siblings, _record_sibling_sources
+if __package__:
+    _forget_stale_siblings(__name__)
 # Every flat sibling file that any remote-code file imports must be imported HERE too, with a
 # single-dot relative import: transformers 4.57 copies only the modeling file's direct relative
 # imports of a local folder into its module cache (tests/test_remote_code.py checks this).
 try:
     from .configuration_dflash import DFlashConfig
+    from .custom_generate_template import generate as _custom_generate  # noqa: F401
+    from .decode_step import crop_cache  # noqa: F401
+    from .generation_arguments import NOT_PASSED  # noqa: F401
+    from .generation_output import DFlashGenerateOutput  # noqa: F401
     from .generation_utils import spec_generate as _spec_generate
     from .generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
-    from .static_generate import static_decode as _static_decode  # noqa: F401 (generation_utils imports it lazily)
-    from .target_cache import HYBRID_FAMILIES  # noqa: F401  (4.57 copies only direct relative imports)
+    from .native_routes import CUSTOM_GENERATE_PY  # noqa: F401
+    from .speculative_sampling import speculative_verify  # noqa: F401
+    from .static_generate import static_decode as _static_decode  # noqa: F401
+    from .stopping_criteria import _Stops  # noqa: F401
+    from .target_cache import HYBRID_FAMILIES  # noqa: F401
     from .target_families import draft_block_embedding, draft_logits
+    from .target_taps import capture_target_features  # noqa: F401
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from configuration_dflash import DFlashConfig
+    from custom_generate_template import generate as _custom_generate  # noqa: F401
+    from decode_step import crop_cache  # noqa: F401
+    from generation_arguments import NOT_PASSED  # noqa: F401
+    from generation_output import DFlashGenerateOutput  # noqa: F401
     from generation_utils import spec_generate as _spec_generate
     from generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
+    from native_routes import CUSTOM_GENERATE_PY  # noqa: F401
+    from speculative_sampling import speculative_verify  # noqa: F401
     from static_generate import static_decode as _static_decode  # noqa: F401
+    from stopping_criteria import _Stops  # noqa: F401
     from target_cache import HYBRID_FAMILIES  # noqa: F401
     from target_families import draft_block_embedding, draft_logits
+    from target_taps import capture_target_features  # noqa: F401
 if __package__:
-    _record_sibling_sources()
+    _record_sibling_sources(__name__)
 
 try:  # optional, CUDA only
     from flash_attn import flash_attn_func

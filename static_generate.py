@@ -29,11 +29,13 @@ from transformers import StaticCache
 from transformers.utils import logging
 
 try:
-    from .generation_utils import _commit, _prefill_commit, _sync, capture_target_features
+    from .decode_step import _commit, _prefill_commit, _sync
     from .target_families import draft_block_embedding, draft_logits, sliding_target
+    from .target_taps import capture_target_features
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
-    from generation_utils import _commit, _prefill_commit, _sync, capture_target_features
+    from decode_step import _commit, _prefill_commit, _sync
     from target_families import draft_block_embedding, draft_logits, sliding_target
+    from target_taps import capture_target_features
 
 logger = logging.get_logger(__name__)
 

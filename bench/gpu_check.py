@@ -142,13 +142,17 @@ def build_pair(device, dtype, shape, draft_shape, block_size):
 
 class Oracle:
     """Replaces the draft's logits (after the real draft forward ran) by the target's greedy tokens,
-    indexed on the device (no sync): full acceptance up to rounding."""
+    indexed on the device (no sync): full acceptance up to rounding. Patched where each loop looks the
+    draft logits up (``generation_utils._draft_logits``, ``static_generate._draft_logits``); leaving the
+    ``with`` block raises when the oracle never ran (a patch on a name the loop no longer reads)."""
 
     def __init__(self, ref):
         self.ref = ref[0]  # (prompt + new,) on the device
         self.saved = []
+        self.calls = 0
 
     def logits(self, start, b, vocab):
+        self.calls += 1
         idx = (start.reshape(1) + torch.arange(1, b, device=start.device)).clamp_max(self.ref.shape[0] - 1)
         return torch.nn.functional.one_hot(self.ref[idx], vocab).float()[None] * 30
 
@@ -167,9 +171,11 @@ class Oracle:
         generation_utils._draft_logits, static_generate._draft_logits = fake_dynamic, fake_static
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         for module, name, fn in self.saved:
             setattr(module, name, fn)
+        if exc_type is None and not self.calls:
+            raise RuntimeError("the oracle draft never ran: patch the draft logits where the decode loops look them up")
 
 
 def plain_decode_s_per_token(target, ids, new_tokens, device):

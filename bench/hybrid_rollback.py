@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import transformers  # noqa: E402
 
-from generation_utils import _cache_kwarg, crop_cache  # noqa: E402
+from decode_step import _cache_kwarg, crop_cache  # noqa: E402
 from target_cache import new_target_cache, recording, restore_linear_states  # noqa: E402
 
 SIZE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,

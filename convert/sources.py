@@ -28,8 +28,12 @@ from .errors import ConversionError
 
 # The project's remote-code files: what ``save_pretrained`` copies next to a drafter (the modeling file
 # and its relative imports) and what ``auto_map`` points into.
-REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_utils.py", "target_cache.py",
-                     "target_families.py", "static_generate.py")
+REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "remote_code_cache.py", "generation_utils.py",
+                     "generation_arguments.py", "speculative_sampling.py", "stopping_criteria.py", "decode_step.py",
+                     "generation_output.py", "native_routes.py", "custom_generate_template.py", "target_taps.py",
+                     "target_cache.py", "target_families.py", "static_generate.py")
+# A single-dot relative import, as transformers reads them (`from .x import ...`, `import .x`).
+_RELATIVE_IMPORT = re.compile(r"^\s*(?:from\s+\.(\w+)\s+import|import\s+\.(\w+))", re.MULTILINE)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
@@ -40,6 +44,23 @@ _PICKLE_PATTERNS = ("pytorch_model*.bin", PICKLE_INDEX)
 # Config keys of dialects that the DFlash draft here cannot represent.
 _SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators_version")
 _DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def remote_code_files(folder: str) -> tuple:
+    """The code files that ``folder`` (a drafter in this project's format) needs to load: its
+    ``modeling_dflash.py`` and every flat file that file imports relatively (transformers 4.57 copies
+    exactly those, so the modeling file imports each sibling itself).
+
+    A folder is judged by its own modeling file, not by today's ``REMOTE_CODE_FILES``: one written by an
+    older version of this package (six code files before the generation code was split by concern) still
+    loads, renders and pushes. A folder without a modeling file needs ``REMOTE_CODE_FILES``.
+    """
+    path = os.path.join(folder, "modeling_dflash.py")
+    if not os.path.isfile(path):
+        return REMOTE_CODE_FILES
+    with open(path, encoding="utf-8") as f:
+        imported = {a or b for a, b in _RELATIVE_IMPORT.findall(f.read())}
+    return ("modeling_dflash.py",) + tuple(sorted(f"{name}.py" for name in imported))
 
 
 def resolve_source(source: str, revision=None, allow_pickle: bool = False, token=None) -> str:
@@ -259,5 +280,5 @@ def _merge(folder: str, fmt: str, per_file: dict) -> dict:
 
 
 __all__ = [
-    "REMOTE_CODE_FILES", "detect_dialect", "find_weight_files", "load_tensors", "read_config", "resolve_source", "tensor_shapes",
+    "REMOTE_CODE_FILES", "detect_dialect", "remote_code_files", "find_weight_files", "load_tensors", "read_config", "resolve_source", "tensor_shapes",
 ]

@@ -1,7 +1,21 @@
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny.py, tests/reference.py
+import patching  # noqa: E402  (tests/patching.py)
+
 torch.set_num_threads(1)  # tiny models: threads only add overhead on the 2-core CI machine
+
+
+@pytest.fixture(autouse=True)
+def _test_doubles_must_run():
+    """Fail a test whose ``patching.patch_called`` double never ran (patched where the loop does not look)."""
+    patching.INSTALLED.clear()
+    yield
+    idle = patching.never_called()
+    patching.INSTALLED.clear()
+    if idle:
+        pytest.fail(f"test double(s) never called: {idle}; patch the name where the decode loop looks it up")

@@ -14,6 +14,7 @@ import transformers
 import generation_utils
 import target_families
 from family_targets import BUILDERS, family_target
+from patching import patch_called
 from tiny import VOCAB, tiny_draft, tiny_target
 
 LENS = (3, 11, 20)
@@ -53,7 +54,7 @@ def _install_oracle(monkeypatch, refs):
         counts.append(len(rows))
         return torch.stack(rows)
 
-    monkeypatch.setattr(generation_utils, "_draft_logits", fake)
+    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
     return counts
 
 

@@ -13,6 +13,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 
 import generation_utils
+from patching import patch_called
 from tiny import VOCAB, tiny_draft, tiny_target
 
 PAIR = pathlib.Path(__file__).resolve().parents[1] / "pair"
@@ -57,7 +58,7 @@ def oracle(monkeypatch):
             steps.append(start.tolist())
             return torch.stack(logits)
 
-        monkeypatch.setattr(generation_utils, "_draft_logits", fake)
+        patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
         return steps
 
     return install

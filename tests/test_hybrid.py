@@ -18,6 +18,7 @@ import transformers
 
 import generation_utils
 import target_cache
+from patching import patch_called
 from tiny import VOCAB, peak, tiny_draft, tiny_target
 
 V5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -113,7 +114,7 @@ def _oracle(monkeypatch, refs, script):
         steps.append(start.tolist())
         return torch.stack(logits)
 
-    monkeypatch.setattr(generation_utils, "_draft_logits", fake)
+    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
     return steps
 
 

@@ -10,7 +10,9 @@ import collections
 import pytest
 import torch
 
+import decode_step
 import generation_utils
+from patching import patch_called
 from tiny import VOCAB, tiny_draft, tiny_target
 
 SYNC_METHODS = ["item", "tolist", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy"]
@@ -65,7 +67,7 @@ def test_a_batch_with_holes_keeps_its_masks_and_stays_exact():
 
 
 def test_next_block_size_rule():
-    rule = generation_utils.next_block_size
+    rule = decode_step.next_block_size
     assert rule(16, 4, adaptive=False) == 16  # off: always the block size
     assert rule(16, 4, adaptive=True) == 8  # a block of 4 fully accepted: doubles
     assert rule(16, 3, adaptive=True) == 6  # short: twice the longest acceptance of the batch
@@ -89,7 +91,7 @@ def scripted_draft(monkeypatch):
             want[right:] = (want[right:] + 1) % VOCAB
             return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
 
-        monkeypatch.setattr(generation_utils, "_draft_logits", fake)
+        patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
         return sizes
 
     return install

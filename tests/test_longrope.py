@@ -17,8 +17,10 @@ import pytest
 import torch
 import transformers
 
+import decode_step
 import generation_utils
 import target_families
+from patching import patch_called
 from tiny import VOCAB, tiny_draft
 
 ORIG, PROMPT_LEN, NEW = 24, 11, 30  # 11 + 30 = 41 > 25: 16 tokens past the re-prefill
@@ -73,7 +75,7 @@ def _oracle(monkeypatch, ref, pattern):
         want[right:] = (want[right:] + 1) % VOCAB
         return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
 
-    monkeypatch.setattr(generation_utils, "_draft_logits", fake)
+    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
     return calls
 
 
@@ -88,7 +90,7 @@ def test_generate_reference_reprefills_and_the_factors_matter(target, reference)
         handle.remove()
     assert lengths[0] == PROMPT_LEN and lengths[ORIG - PROMPT_LEN + 1] == ORIG + 1
     assert sorted(set(lengths)) == [1, PROMPT_LEN, ORIG + 1]
-    cache, seq = {generation_utils._cache_kwarg(target): transformers.DynamicCache()}, PROMPT
+    cache, seq = {decode_step._cache_kwarg(target): transformers.DynamicCache()}, PROMPT
     with torch.no_grad():
         logits = target(seq, use_cache=True, **cache).logits
         for _ in range(NEW - 1):

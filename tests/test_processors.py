@@ -21,7 +21,8 @@ from transformers import (
 )
 from transformers.generation import GenerateDecoderOnlyOutput
 
-import generation_utils
+import speculative_sampling
+from patching import patch_called
 from test_generate_parity import PROMPTS, _check_parity, _generate, _left_pad, oracle  # noqa: F401 (fixture)
 from test_sampling import _chi_square, _peaky_pair
 from tiny import tiny_draft, tiny_target
@@ -79,10 +80,9 @@ def test_sampled_distribution_with_processors_is_the_targets(case):
 
 def _shifted_prefix(monkeypatch):
     """Planted bug: processors see each prefix without its last token (shifted by one)."""
-    real = generation_utils._process_at
-    monkeypatch.setattr(generation_utils, "_process_at",
-                        lambda procs, history, ids, lengths, ext, scores: real(procs, history, ids, lengths - 1,
-                                                                               ext, scores))
+    real = speculative_sampling._process_at
+    patch_called(monkeypatch, speculative_sampling, "_process_at",
+                 lambda procs, history, ids, lengths, ext, scores: real(procs, history, ids, lengths - 1, ext, scores))
 
 
 def test_negative_control_shifted_prefix_under_repetition_penalty(monkeypatch):
@@ -93,15 +93,15 @@ def test_negative_control_shifted_prefix_under_repetition_penalty(monkeypatch):
 
 
 def test_negative_control_typical_p_missing_on_the_target(monkeypatch):
-    real = generation_utils._Sampling.probs
+    real = speculative_sampling._Sampling.probs
 
     def probs(self, logits):
         if logits.shape[1] == 2:  # block-2 verify: the target's (B, 2, V); drafts are (B, 1, V)
-            self = generation_utils._Sampling(LogitsProcessorList(
+            self = speculative_sampling._Sampling(LogitsProcessorList(
                 p for p in self.procs if not isinstance(p, TypicalLogitsWarper)), True, None)
         return real(self, logits)
 
-    monkeypatch.setattr(generation_utils._Sampling, "probs", probs)
+    patch_called(monkeypatch, speculative_sampling._Sampling, "probs", probs)
     with pytest.raises(AssertionError):
         stat, crit = _distribution("typical_p")
         assert stat < crit
@@ -119,14 +119,14 @@ def test_planted_shifted_prefix_fails_greedy_parity(oracle, monkeypatch, case):
 
 def _spy_proposals(monkeypatch):
     proposals = []
-    real = generation_utils._Sampling.propose
+    real = speculative_sampling._Sampling.propose
 
     def spy(self, logits, rows):
         tokens, q = real(self, logits, rows)
         proposals.extend(tokens.flatten().tolist())
         return tokens, q
 
-    monkeypatch.setattr(generation_utils._Sampling, "propose", spy)
+    patch_called(monkeypatch, speculative_sampling._Sampling, "propose", spy)
     return proposals
 
 

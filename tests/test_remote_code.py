@@ -106,3 +106,21 @@ def test_our_class_imported_directly_is_never_swapped(tmp_path):
     assert type(model) is DFlashDraftModel
     out = model.spec_generate(tiny_target(), torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2, temperature=0.0)
     assert out.shape == (1, 5)
+
+
+def test_the_repair_module_itself_runs_from_each_folder(tmp_path, monkeypatch):
+    """Two same-named folders whose ``remote_code_cache.py`` differ: each load runs its own folder's repair
+    file (the modeling file drops the cached repair module before importing it), in load order."""
+    import builtins
+
+    monkeypatch.setattr(builtins, "dflash_repair_runs", [], raising=False)
+    folders = {}
+    for tag in "AB":
+        folder = folders[tag] = tmp_path / tag.lower() / "drafter"
+        tiny_draft().save_pretrained(folder)
+        repair = folder / "remote_code_cache.py"
+        repair.write_text(repair.read_text() + f"\nimport builtins  # noqa: E402\nbuiltins.dflash_repair_runs.append({tag!r})\n")
+        _plant(folder, f"folder {tag}")
+    m_a, m_b = _load(folders["A"]), _load(folders["B"])
+    assert builtins.dflash_repair_runs == ["A", "B"]
+    assert (_ran(m_a), _ran(m_b)) == ("folder A", "folder B")

@@ -15,8 +15,9 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import generation_utils
+import speculative_sampling
 from generation_utils import speculative_verify
+from patching import patch_called
 from tiny import tiny_draft, tiny_target
 
 Z_ALPHA = 4.753  # one-sided normal quantile for alpha = 1e-6
@@ -166,7 +167,7 @@ def test_output_distribution_is_the_targets(case, sample_draft):
 
 
 def test_negative_control_residual_from_p_is_detected(monkeypatch):
-    real = generation_utils.speculative_verify
+    real = speculative_sampling.speculative_verify
 
     def buggy_verify(draft_tokens, draft_probs, target_probs, generator=None):
         accepted, nxt = real(draft_tokens, draft_probs, target_probs, generator)
@@ -174,14 +175,14 @@ def test_negative_control_residual_from_p_is_detected(monkeypatch):
         from_p = torch.multinomial(target_probs[rows, accepted], 1, generator=generator)[:, 0]
         return accepted, torch.where(accepted < draft_tokens.shape[1], from_p, nxt)
 
-    monkeypatch.setattr(generation_utils, "speculative_verify", buggy_verify)
+    patch_called(monkeypatch, speculative_sampling, "speculative_verify", buggy_verify)
     with pytest.raises(AssertionError):
         stat, crit = _distribution_test("temperature", sample_draft=True)
         assert stat < crit
 
 
 def test_negative_control_top_p_on_the_draft_only_is_detected(monkeypatch):
-    real_probs = generation_utils._Sampling.probs
+    real_probs = speculative_sampling._Sampling.probs
     calls = {"n": 0}
 
     def probs_without_top_p_for_target(self, logits):
@@ -192,7 +193,7 @@ def test_negative_control_top_p_on_the_draft_only_is_detected(monkeypatch):
         calls["n"] += 1
         return real_probs(self, logits)
 
-    monkeypatch.setattr(generation_utils._Sampling, "probs", probs_without_top_p_for_target)
+    patch_called(monkeypatch, speculative_sampling._Sampling, "probs", probs_without_top_p_for_target)
     with pytest.raises(AssertionError):
         stat, crit = _distribution_test("top_p", sample_draft=True)
         assert stat < crit

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import generation_utils
+from patching import patch_called
 from tiny import VOCAB, tiny_draft, tiny_target
 
 TARGETS = {kind: tiny_target(kind, peaked=True) for kind in ("qwen3", "llama")}
@@ -43,7 +44,7 @@ def oracle(monkeypatch):
             want[right:] = (want[right:] + 1) % VOCAB  # wrong from slot right+1 on
             return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
 
-        monkeypatch.setattr(generation_utils, "_draft_logits", fake)
+        patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
         target_cache_lengths = []
 
         def pre_hook(module, args, kwargs):
@@ -280,7 +281,7 @@ def _spy_draft_calls(monkeypatch):
         calls.append((int(start[0]), cached, ctx.features.clone(), logits.clone()))
         return logits
 
-    monkeypatch.setattr(generation_utils, "_draft_logits", spy)
+    patch_called(monkeypatch, generation_utils, "_draft_logits", spy)
     return calls
 
 
@@ -322,7 +323,7 @@ def test_feature_at_the_anchor_is_invisible_the_one_before_is_seen(monkeypatch, 
                     return feats
                 yield perturbed
 
-        monkeypatch.setattr(generation_utils, "capture_target_features", capture)
+        patch_called(monkeypatch, generation_utils, "capture_target_features", capture)
         calls = _spy_draft_calls(monkeypatch)
         o_handle = oracle(reference("qwen3", 3), [0], target)[2]  # always rejected: every position anchors
         try:
@@ -373,7 +374,7 @@ def batch_oracle(monkeypatch):
             steps.append(start.tolist())
             return torch.stack(logits)
 
-        monkeypatch.setattr(generation_utils, "_draft_logits", fake)
+        patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
         return steps
 
     return install

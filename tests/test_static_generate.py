@@ -13,6 +13,7 @@ from transformers import AutoModel, CompileConfig
 
 import generation_utils
 import static_generate
+from patching import patch_called
 from tiny import VOCAB, tiny_draft, tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,9 +60,11 @@ def scripted(monkeypatch):
     def run(kind, block_size, max_new_tokens, **kwargs):
         state["ref"] = reference(kind)
         _oracle.calls = 0
-        return generation_utils.spec_generate(tiny_draft(block_size=8), TARGETS[kind], PROMPT,
-                                              max_new_tokens=max_new_tokens, temperature=0.0, block_size=block_size,
-                                              return_dict_in_generate=True, **kwargs)
+        out = generation_utils.spec_generate(tiny_draft(block_size=8), TARGETS[kind], PROMPT,
+                                             max_new_tokens=max_new_tokens, temperature=0.0, block_size=block_size,
+                                             return_dict_in_generate=True, **kwargs)
+        assert _oracle.calls > 0, "the oracle never ran: patched where the loops do not look it up"
+        return out
 
     run.real = real
     return run
@@ -137,7 +140,7 @@ def test_generation_config_selects_the_static_loop(monkeypatch):
     target, draft = tiny_target(peaked=True), tiny_draft()
     calls = []
     real = static_generate.static_decode
-    monkeypatch.setattr(static_generate, "static_decode", lambda *a, **k: calls.append(k) or real(*a, **k))
+    patch_called(monkeypatch, generation_utils, "static_decode", lambda *a, **k: calls.append(k) or real(*a, **k))
     target.generation_config.cache_implementation = "static"
     out = draft.spec_generate(target, PROMPT, max_new_tokens=9, temperature=0.0)
     assert len(calls) == 1 and calls[0]["compile_config"] is None
@@ -147,7 +150,7 @@ def test_generation_config_selects_the_static_loop(monkeypatch):
 
 @pytest.mark.parametrize("case", ["batch", "sliding", "padding"])
 def test_unsupported_calls_fall_back_to_the_dynamic_loop_with_one_info_log(case, caplog, monkeypatch):
-    monkeypatch.setattr(static_generate, "static_decode", lambda *a, **k: pytest.fail("static loop used"))
+    monkeypatch.setattr(generation_utils, "static_decode", lambda *a, **k: pytest.fail("static loop used"))
     draft, ids, mask = tiny_draft(), PROMPT, None
     target = TARGETS["qwen3"]
     if case == "batch":

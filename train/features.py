@@ -1,7 +1,7 @@
 """Target features for training: the frozen target's tapped hidden states, computed live per batch or
 read from an offline cache.
 
-The taps are ``generation_utils.capture_target_features`` -- the very hooks ``spec_generate`` uses at
+The taps are ``target_taps.capture_target_features`` -- the very hooks ``spec_generate`` uses at
 inference -- so training and inference read the same tensors (layer ``k`` = output of decoder layer
 ``k``; DFlash paper, section 3).
 

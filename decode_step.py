@@ -1,0 +1,205 @@
+"""What one verify step of either loop (the dynamic ``generation_utils._decode`` and the fixed-shape
+``static_generate.static_decode``) is made of, below both: the per-call run record, committing a
+step's tokens (budget, stops, statistics, streamer), cache cropping, the target's verify forward and the
+per-row state of the dynamic loop.
+"""
+
+import contextlib
+import functools
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+try:
+    from .generation_output import DFlashGenerateOutput
+    from .speculative_sampling import _History
+    from .stopping_criteria import _Scores, _Stops
+    from .target_cache import recording
+    from .target_families import FAMILY as _families
+except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from generation_output import DFlashGenerateOutput
+    from speculative_sampling import _History
+    from stopping_criteria import _Scores, _Stops
+    from target_cache import recording
+    from target_families import FAMILY as _families
+
+
+def crop_cache(cache, length: int) -> None:
+    """Cut a transformers cache back to ``length`` tokens, on 4.57 and 5.x alike.
+
+    Only ever calls ``crop`` with a negative count: 5.x rejects positive lengths, and on 4.57
+    ``crop(0)`` empties the cache (notes section 3). Nothing is called when nothing is removed.
+    """
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+@functools.lru_cache(maxsize=64)
+def _signature_params(forward) -> frozenset:
+    return frozenset(inspect.signature(forward).parameters)
+
+
+def _forward_params(model) -> frozenset:
+    """Parameter names of ``model.forward``, inspected once per forward function (not once per call)."""
+    forward = model.forward
+    return _signature_params(getattr(forward, "__func__", forward))
+
+
+def _cache_kwarg(model) -> str:
+    """``cache`` on transformers >= 5.24 (``past_key_values`` is deprecated there), else ``past_key_values``."""
+    return "cache" if "cache" in _forward_params(model) else "past_key_values"
+
+
+@dataclass
+class _Run:
+    """What one call's loop writes to, besides the rows: output, per-row chunks, history, stops, streamer."""
+
+    out: DFlashGenerateOutput
+    chunks: list
+    stops: _Stops
+    history: Optional[_History]
+    streamer: object
+    recorder: Optional[_Scores]
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@dataclass
+class _Context:
+    """Target features not yet in the draft cache: ``features (B, C, F)``, ``positions (B, C)`` and
+    ``valid (B, C)`` (None while the batch has no holes: every slot is valid)."""
+
+    features: torch.Tensor
+    positions: torch.Tensor
+    valid: Optional[torch.Tensor]
+
+    def cat(self, other: "_Context") -> "_Context":
+        valid = None if self.valid is None else torch.cat([self.valid, other.valid], dim=1)
+        return _Context(torch.cat([self.features, other.features], dim=1),
+                        torch.cat([self.positions, other.positions], dim=1), valid)
+
+    def select(self, keep) -> "_Context":
+        return _Context(self.features[keep], self.positions[keep], None if self.valid is None else self.valid[keep])
+
+
+@dataclass
+class _Rows:
+    """Per-row state of the rows still generating (index ``i`` is original row ``ids[i]``).
+
+    ``ids``/``n_new`` live on the device (processors read them) and are mirrored on the host
+    (``host_ids``/``host_new``), filled from the one transfer per step that carries the acceptance
+    decision; validity masks exist only when the batch can have holes (``holes``)."""
+
+    ids: torch.Tensor  # (A,) original row indices
+    anchor: torch.Tensor  # (A, 1) last committed token, not yet seen by the target
+    start: torch.Tensor  # (A,) position of the anchor
+    n_new: torch.Tensor  # (A,) new tokens committed so far
+    target_valid: Optional[torch.Tensor]  # (A, target cache length) 1 = committed slot of this row; None: no holes
+    draft_valid: Optional[torch.Tensor]  # (A, draft cache length), None while every slot is valid
+    ctx: Optional[_Context]  # features not yet in the draft cache; None right after a draft pass
+    host_ids: list = None  # (A,) host copy of ids
+    host_new: list = None  # (A,) host copy of n_new
+    holes: bool = True  # batch > 1 or left padding: validity bookkeeping on
+
+    def select(self, keep: list, keep_t: torch.Tensor):
+        for name in ("ids", "anchor", "start", "n_new"):
+            setattr(self, name, getattr(self, name)[keep_t])
+        self.host_ids, self.host_new = [self.host_ids[i] for i in keep], [self.host_new[i] for i in keep]
+        self.target_valid = None if self.target_valid is None else self.target_valid[keep_t]
+        self.draft_valid = None if self.draft_valid is None else self.draft_valid[keep_t]
+        self.ctx = None if self.ctx is None else self.ctx.select(keep_t)
+
+    def context_drafted(self, draft_len: int):
+        """The pending context went into the draft cache (now ``draft_len`` slots long)."""
+        if self.holes and (self.draft_valid is not None or not bool(self.ctx.valid.all())):
+            cached = self.draft_valid
+            if cached is None:
+                cached = self.ctx.valid.new_ones(len(self.host_ids), draft_len - self.ctx.valid.shape[1])
+            self.draft_valid = torch.cat([cached, self.ctx.valid], dim=1)
+        self.ctx = None
+
+    def add_context(self, ctx: _Context):
+        self.ctx = ctx if self.ctx is None else self.ctx.cat(ctx)
+
+
+def _commit(run, rows, accepted, drafted, new, scores, logits):
+    """Append each row's tokens (accepted drafts + the next token, ``new`` ``(A, n + 1)``), cut at the
+    row's budget (by length, never by value) and right after its first stopping token; record the
+    statistics of the step. One device-to-host transfer (the acceptance decision). Returns host lists
+    ``(committed (A,), done (A,))``: anchor + accepted drafts per row, and whether the row is done."""
+    done, counts = [], []
+    host = torch.cat([accepted[:, None], new], dim=1).tolist()  # (A, 1 + n + 1): the step's only sync
+    remaining = [run.stops.budget - n for n in rows.host_new]
+    n_new = rows.host_new
+    for i, (r, (a, *row_new)) in enumerate(zip(rows.host_ids, host)):
+        counts.append(a + 1)
+        take = row_new[: min(a + 1, remaining[i])]
+        start = n_new[i] + (run.history.prompt_len if run.history is not None else 0)
+        if run.history is not None:
+            run.history.write(r, start, take)
+        take, stopped = run.stops.cut(take, run.history, r, start)
+        run.chunks[r].append(take)
+        run.out.row_acceptance_lengths[r].append(len(take))
+        run.out.row_draft_lengths[r].append(min(drafted, remaining[i]))
+        run.out.row_accepted_drafts[r].append(min(a, remaining[i]))
+        if run.recorder is not None:
+            run.recorder.add(r, len(take), None if scores is None else scores[i], logits[i])
+        done.append(stopped or len(take) >= remaining[i])
+        if run.streamer is not None:
+            run.streamer.put(torch.tensor(take))
+    return counts, done
+
+
+def _prefill_commit(run, first, scores, logits):
+    """The prefill token of every row: history, stops, statistics-free. Returns ``(B,)`` bool done."""
+    done = []
+    for r, token in enumerate(first.tolist()):
+        start = run.history.prompt_len if run.history is not None else 0
+        if run.history is not None:
+            run.history.write(r, start, [token])
+        take, stopped = run.stops.cut([token], run.history, r, start)
+        run.chunks[r].append(take)
+        if run.recorder is not None:
+            run.recorder.add(r, 1, scores[r: r + 1], logits[r: r + 1])
+        done.append(stopped or run.stops.budget <= 1)
+    if run.streamer is not None:
+        run.streamer.put(first.cpu())
+    return done
+
+
+def _forward_target(target, cache_kw, cache, tokens, positions, valid, windows, tokens_valid=None, record=True,
+                    **extra):
+    """Target logits ``(A, n, V)`` for ``tokens`` at ``positions``, over cache slots marked ``valid``
+    (None: every slot is valid, no mask built and no host synchronisation).
+
+    Slots a row does not own are masked; on sliding-window targets the mask also counts each
+    window in true positions (``target_families.target_mask``), so holes never shift it. Hybrid
+    targets record the linear-attention mixers' inputs for the rollback (``target_cache.recording``),
+    except in the prefill (``record=False``), which is never rolled back."""
+    mask = None
+    if valid is not None:
+        tokens_valid = torch.ones_like(tokens) if tokens_valid is None else tokens_valid
+        mask = _families.target_mask(target, windows, tokens_valid, positions, valid)
+    with recording(cache) if record else contextlib.nullcontext():  # hybrid: snapshot + mixer inputs
+        return target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                      **extra, **{cache_kw: cache}).logits
+
+
+def next_block_size(block_size: int, longest: int, adaptive: bool) -> int:
+    """Block size of the next step. Fixed unless ``adaptive``: then twice the longest acceptance
+    (``longest``, anchor included) of the step just verified, so a fully accepted block doubles and a
+    short acceptance shrinks the block, clamped to ``[2, block_size]``."""
+    if not adaptive:
+        return block_size
+    return max(2, min(block_size, 2 * longest))
+
+
+__all__ = ["crop_cache"]

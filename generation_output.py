@@ -1,0 +1,181 @@
+"""What a ``spec_generate`` call returns: ``DFlashGenerateOutput`` (generate's output class plus the
+speculative statistics: tau, per-slot acceptance, one definition each), its plot, and the assembly of
+the per-row chunks into ``sequences``.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers.generation import GenerateDecoderOnlyOutput
+
+
+class _Table(str):
+    """A string that shows as itself (not quoted) at a notebook prompt."""
+
+    def __repr__(self):
+        return str(self)
+
+
+@dataclass(repr=False)
+class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
+    """What ``spec_generate(..., return_dict_in_generate=True)`` returns: a ``GenerateDecoderOnlyOutput``
+    (``isinstance`` holds, the fields follow the installed transformers) plus the speculative statistics.
+
+    Fields of ``generate``:
+        sequences: ``(B, prompt_len + new_len)`` LongTensor, prompt first, right padded.
+        scores: with ``output_scores=True``: a tuple of one ``(B, V)`` fp32 tensor per new token (the first
+            from the prefill), the processed scores the token was chosen from, as generate gives them. In a
+            batch, a row's entries after its last token are NaN (generate would hold scores of pad steps).
+        logits: with ``output_logits=True``: the same for the raw target logits.
+        attentions, hidden_states: always None (refused: the target runs on blocks).
+        cache / past_key_values (the name follows the installed version): always None: the caches hold
+            rejected slots and holes of other rows, so they cannot be resumed from.
+
+    Speculative statistics (one definition, read by README, demo and benchmarks):
+        acceptance_lengths: tokens each verify step committed, bonus included, all rows in row order.
+            Tokens past a row's budget or stop are not counted; the prefill token is not counted.
+        row_acceptance_lengths: the same, one list per row; ``sum(row) == num_new_tokens[r] - 1``.
+        row_draft_lengths: drafts proposed per verify step, per row (``b - 1``, capped by the row's
+            remaining budget: a slot not drafted is not a rejection).
+        row_accepted_drafts: drafts the verifier accepted per step, per row (before any stop cut).
+        num_new_tokens: new tokens per row.
+        num_draft_forwards / num_target_forwards: forward passes (the target's include the prefill).
+        timings: with ``output_timings=True``: ``prefill_s``, ``decode_s``, ``total_s`` (seconds,
+            device-synchronised) and ``new_tokens``.
+    Derived: [`tau`], [`row_tau`], [`slot_acceptance`], [`summary`].
+    """
+
+    acceptance_lengths: Optional[list] = None
+    row_acceptance_lengths: Optional[list] = None
+    row_draft_lengths: Optional[list] = None
+    row_accepted_drafts: Optional[list] = None
+    num_new_tokens: Optional[list] = None
+    num_draft_forwards: Optional[int] = None
+    num_target_forwards: Optional[int] = None
+    timings: Optional[dict] = None
+
+    @property
+    def tau(self) -> Optional[float]:
+        """Acceptance length pooled over rows: ``sum(new - 1) / sum(verify steps)``; None with no step."""
+        steps = sum(len(r) for r in self.row_acceptance_lengths or [])
+        return sum(n - 1 for n in self.num_new_tokens if n > 0) / steps if steps else None
+
+    @property
+    def row_tau(self) -> list:
+        """Per row ``(new - 1) / verify steps`` (None for a row that made no verify step)."""
+        return [(n - 1) / len(r) if r else None for n, r in zip(self.num_new_tokens, self.row_acceptance_lengths)]
+
+    def slot_acceptance(self) -> list:
+        """Acceptance rate of draft slot ``k = 1..K``: steps that accepted >= k drafts / steps that drafted
+        slot k (all rows pooled); None for a slot no step drafted."""
+        drafted = [d for row in self.row_draft_lengths or [] for d in row]
+        accepted = [a for row in self.row_accepted_drafts or [] for a in row]
+        rates = []
+        for k in range(1, max(drafted, default=0) + 1):
+            n = sum(d >= k for d in drafted)
+            rates.append(sum(a >= k for a, d in zip(accepted, drafted) if d >= k) / n if n else None)
+        return rates
+
+    def summary(self) -> str:
+        """A short table: rows, new tokens, verify steps, tau, per-slot acceptance, forwards, timings."""
+        tau = self.tau
+        lines = [f"DFlashGenerateOutput: {len(self.num_new_tokens or [])} row(s), sequences "
+                 f"{tuple(self.sequences.shape) if self.sequences is not None else None}",
+                 f"  tau (new - 1) / steps : {'-' if tau is None else f'{tau:.2f}'}",
+                 "  row  new  steps   tau"]
+        for r, (n, steps, t) in enumerate(zip(self.num_new_tokens, self.row_acceptance_lengths, self.row_tau)):
+            lines.append(f"  {r:>3} {n:>4} {len(steps):>6} {'-' if t is None else f'{t:5.2f}':>5}")
+        rates = self.slot_acceptance()
+        if rates:
+            lines.append("  slot acceptance: " + " ".join("-" if x is None else f"{x:.2f}" for x in rates))
+        lines.append(f"  forwards: draft {self.num_draft_forwards}, target {self.num_target_forwards}")
+        if self.timings:
+            t = self.timings
+            tps = t["new_tokens"] / t["total_s"] if t["total_s"] > 0 else float("nan")
+            lines.append(f"  time: prefill {t['prefill_s']:.3f}s, decode {t['decode_s']:.3f}s, {tps:.1f} tok/s")
+        return _Table("\n".join(lines))
+
+    def __repr__(self):
+        return str(self.summary())
+
+
+def per_slot_acceptance(acceptance_lengths, block_size: int) -> list:
+    """Acceptance of each draft slot ``k = 1..block_size-1``: steps that accepted at least ``k``
+    drafts / steps (every step drafts the full block except near ``max_new_tokens``). A step with
+    acceptance length ``a`` (bonus included) accepted ``a - 1`` drafts."""
+    n = max(len(acceptance_lengths), 1)
+    return [sum(a - 1 >= k for a in acceptance_lengths) / n for k in range(1, block_size)]
+
+
+def plot_acceptance(result, block_size: Optional[int] = None):
+    """Plot per-slot acceptance and the histogram of acceptance lengths of a ``spec_generate`` (or
+    ``native_acceptance_stats``) result. Needs matplotlib (optional; imported here, any backend).
+
+    Args:
+        result: has ``acceptance_lengths`` (tokens per verify step, bonus included).
+        block_size: slots to show; default the result's block size if it records one, else the
+            longest acceptance length seen.
+
+    Returns:
+        A ``matplotlib.figure.Figure`` with two axes: bars of per-slot acceptance (slot 1..b-1, in
+        [0, 1]) and a histogram of acceptance lengths (1..b) with tau marked.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install matplotlib``).
+        ValueError: the result holds no verify steps.
+    """
+    lengths = list(result.acceptance_lengths or [])
+    if not lengths:
+        raise ValueError("the result holds no verify steps (nothing was drafted): nothing to plot")
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as err:
+        raise ImportError("plot() needs matplotlib: pip install matplotlib") from err
+    b = int(block_size or getattr(result, "block_size", None) or max(lengths))
+    tau = getattr(result, "tau", None) or sum(lengths) / len(lengths)
+    rates = result.slot_acceptance() if hasattr(result, "slot_acceptance") else per_slot_acceptance(lengths, b)
+    rates = [0.0 if r is None else r for r in rates][: b - 1]
+    rates += [0.0] * (b - 1 - len(rates))  # slots no step drafted
+    fig = Figure(figsize=(10, 3.5), layout="constrained")
+    slots, hist = fig.subplots(1, 2)
+    slots.bar(range(1, b), rates, color="tab:blue")
+    slots.set(xlabel="draft slot k", ylabel="share of steps accepting slot k", ylim=(0, 1),
+              title="per-slot acceptance")
+    hist.hist(lengths, bins=[x - 0.5 for x in range(1, b + 2)], color="tab:green", rwidth=0.85)
+    hist.axvline(tau, color="black", linestyle="--", label=f"tau = {tau:.2f}")
+    hist.set(xlabel="acceptance length (tokens per verify step)", ylabel="verify steps",
+             title=f"acceptance lengths ({len(lengths)} steps)")
+    hist.yaxis.set_major_locator(MaxNLocator(integer=True))
+    hist.legend()
+    return fig
+
+
+DFlashGenerateOutput.plot = plot_acceptance
+
+
+def _empty_output(input_ids):
+    bsz = input_ids.shape[0]
+    return DFlashGenerateOutput(
+        sequences=input_ids, acceptance_lengths=[], row_acceptance_lengths=[[] for _ in range(bsz)],
+        row_draft_lengths=[[] for _ in range(bsz)], row_accepted_drafts=[[] for _ in range(bsz)],
+        num_new_tokens=[0] * bsz, num_draft_forwards=0, num_target_forwards=0)
+
+
+def _assemble(out, input_ids, run, pad):
+    """``sequences`` = prompt as given + each row's new tokens, right padded with ``pad``; scores/logits."""
+    rows = [sum(row, []) for row in run.chunks]
+    width = max(len(r) for r in rows)
+    new = input_ids.new_full((len(rows), width), pad)
+    for i, r in enumerate(rows):
+        new[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    out.sequences = torch.cat([input_ids, new], dim=1)
+    out.num_new_tokens = [len(r) for r in rows]
+    out.acceptance_lengths = [a for row in out.row_acceptance_lengths for a in row]
+    if run.recorder is not None:
+        for name, value in run.recorder.tuples(width).items():
+            out[name] = value  # ModelOutput: item and attribute
+
+
+__all__ = ["DFlashGenerateOutput", "per_slot_acceptance", "plot_acceptance"]

@@ -1,0 +1,97 @@
+"""The routes through transformers' own ``generate``: acceptance statistics of its native DFlash loop
+(``speculation_type="dflash"``, 5.x), and the Hub ``custom_generate/generate.py`` written next to every
+saved drafter (``generate(custom_generate=<drafter>)``, 4.57 and 5.x).
+"""
+
+import contextlib
+import inspect
+import os
+
+try:
+    from .custom_generate_template import generate as _custom_generate_entry
+    from .generation_output import DFlashGenerateOutput
+except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from custom_generate_template import generate as _custom_generate_entry
+    from generation_output import DFlashGenerateOutput
+
+
+@contextlib.contextmanager
+def native_acceptance_stats(draft, target=None):
+    """Collect ``spec_generate``'s acceptance statistics on transformers' native DFlash path
+    (``target.generate(assistant_model=draft, speculation_type="dflash")``, batch 1), which returns none.
+
+    Hooks on ``draft`` (and ``target``, for the forward count) read what the native generator passes:
+    each draft call after the first receives the context of the tokens the previous verify step
+    committed (accepted drafts + the bonus token), so those are its acceptance lengths; the last
+    step's is what remains of the new tokens after the prefill token. Hooks are removed on exit.
+
+    Yields a callable ``result(sequences, prompt_len) -> DFlashGenerateOutput`` with ``sequences``,
+    ``acceptance_lengths`` (so ``mean = (new_tokens - 1) / verify steps``, the one tau definition),
+    ``row_acceptance_lengths``, ``num_new_tokens``, ``num_draft_forwards``, ``num_target_forwards``
+    (None without ``target``) and ``block_size``, ready for ``plot_acceptance``.
+
+    Raises:
+        ValueError: from ``result``, for a batch of more than one row (the native path is batch 1).
+    """
+    contexts, block, target_calls = [], [], [0]
+
+    def draft_hook(module, args, kwargs):
+        if kwargs.get("context_hidden_states") is not None:
+            contexts.append(int(kwargs["context_hidden_states"].shape[1]))
+            block.append(int(kwargs["noise_embeds"].shape[1]))
+
+    def target_hook(module, args, output):
+        target_calls[0] += 1
+
+    handles = [draft.register_forward_pre_hook(draft_hook, with_kwargs=True)]
+    if target is not None:
+        handles.append(target.register_forward_hook(target_hook))
+
+    def result(sequences, prompt_len):
+        if sequences.shape[0] != 1:
+            raise ValueError(f"the native DFlash path is batch 1, got {sequences.shape[0]} rows")
+        new = int(sequences.shape[1]) - int(prompt_len)
+        steps = contexts[1:]  # what each step committed, known at the next draft call
+        # Near max_length the generator stops drafting; the target then commits one token per step.
+        plain = max(target_calls[0] - 1 - len(contexts), 0) if target is not None else 0
+        if contexts:
+            steps.append(max(new - 1 - sum(steps) - plain, 1))
+        steps += [1] * plain
+        drafted = [max(block) - 1 if block else 0] * (len(steps) - plain) + [0] * plain
+        out = DFlashGenerateOutput(
+            sequences=sequences, acceptance_lengths=list(steps), row_acceptance_lengths=[list(steps)],
+            row_draft_lengths=[drafted], row_accepted_drafts=[[a - 1 for a in steps]],
+            num_new_tokens=[new], num_draft_forwards=len(contexts),
+            num_target_forwards=target_calls[0] if target is not None else None,
+        )
+        out.block_size = max(block) if block else None  # plain attribute, read by plot_acceptance
+        return out
+
+    try:
+        yield result
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# The Hub `custom_generate/generate.py` written next to every saved drafter (transformers follows only
+# relative imports inside custom_generate/, so it reaches the decoding loop through the loaded drafter).
+# Its one source is custom_generate_template.py (valid Python, imported by modeling_dflash.py so that
+# transformers copies it into its module cache too); these are that file's bytes.
+_TEMPLATE_FILE = inspect.getsourcefile(_custom_generate_entry)
+with open(_TEMPLATE_FILE, encoding="utf-8") as _f:
+    CUSTOM_GENERATE_PY = _f.read()
+
+
+def write_custom_generate(folder) -> str:
+    """Write ``<folder>/custom_generate/generate.py`` (temporary name, then renamed); returns its path."""
+    path = os.path.join(folder, "custom_generate", "generate.py")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(CUSTOM_GENERATE_PY)
+    os.replace(tmp, path)
+    return path
+
+
+__all__ = ["native_acceptance_stats", "write_custom_generate", "CUSTOM_GENERATE_PY"]

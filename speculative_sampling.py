@@ -1,0 +1,198 @@
+"""How tokens are chosen in one verify step: generate's logits processors applied per block slot with
+that slot's own prefix, the draft's proposal, and the acceptance rule (greedy prefix match, or
+speculative sampling: Leviathan et al. 2023, Algorithm 1). The counterpart of transformers'
+``generation/logits_process.py`` and ``candidate_generator.py`` for a DFlash block.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation import logits_process as _lp
+
+
+# Processors that act on each row's scores alone, whatever came before: applied in one batched call.
+# Any other processor (repetition penalty, n-gram, lengths, bad words, a user's) sees each prefix.
+_PREFIX_FREE = tuple(getattr(_lp, name) for name in (
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
+    "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper", "SuppressTokensLogitsProcessor",
+    "LogitNormalization", "InfNanRemoveLogitsProcessor",
+) if hasattr(_lp, name))
+
+
+class _History:
+    """Each row's tokens so far (padded prompt + committed new tokens), for processors and stopping
+    criteria that read the sequence. ``tokens`` ``(B0, width)`` int64 over the original rows."""
+
+    def __init__(self, input_ids, budget, block_size):
+        bsz, width = input_ids.shape
+        self.prompt_len = width
+        self.tokens = input_ids.new_zeros(bsz, width + budget + block_size)
+        self.tokens[:, :width] = input_ids
+
+    def write(self, row: int, start: int, tokens: list):
+        self.tokens[row, start: start + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+
+
+def _process_at(procs, history, ids, lengths, ext, scores):
+    """Apply ``procs`` to ``scores`` ``(A, V)``, row ``i`` seeing its own prefix: its first ``lengths[i]``
+    history tokens followed by ``ext[i]`` ``(A, j)`` (anchor-side drafts). Returns ``(A, V)`` fp32.
+
+    This is the call generate makes when it chooses the token after that prefix (and what transformers'
+    ``DFlashTokenCandidateGenerator.get_candidates`` does slot by slot). Rows of equal prefix length go in
+    one call, laid out at their original batch index in a full ``(B0, L)`` batch (other rows hold a copy),
+    because some processors are per batch row (``prefix_allowed_tokens_fn(batch_id, ...)``, the 5.x
+    repetition penalty's per-row prompt padding).
+    """
+    out = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
+    bsz0 = history.tokens.shape[0]
+    for length in sorted(set(lengths.tolist())):
+        sel = (lengths == length).nonzero()[:, 0]
+        prefix = torch.cat([history.tokens[ids[sel], :length], ext[sel]], dim=1)  # (g, length + j)
+        rows = ids[sel]
+        full_ids = prefix[:1].expand(bsz0, -1).clone()
+        full_ids[rows] = prefix
+        full_scores = scores[sel[:1]].float().expand(bsz0, -1).clone()
+        full_scores[rows] = scores[sel].float()
+        out[sel] = procs(full_ids, full_scores)[rows]
+    return out
+
+
+def speculative_verify(draft_tokens, draft_probs, target_probs, generator=None):
+    """Speculative sampling acceptance (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023).
+
+    Draft token ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``, in order, until
+    the first rejection; there the next token is drawn from ``norm(max(p_j - q_j, 0))``; if all are
+    accepted, the bonus token is drawn from ``p_{n}``. The committed tokens are then distributed
+    exactly as the target's own samples. A one-hot ``q`` (greedy draft) is a valid special case.
+
+    Args:
+        draft_tokens: ``(B, n)`` LongTensor, drawn from ``draft_probs``.
+        draft_probs: ``(B, n, V)`` float, the draft's processed distributions q.
+        target_probs: ``(B, n + 1, V)`` float, the target's processed distributions p after each
+            block slot (slot j predicts the token after it; the last one gives the bonus token).
+        generator: ``torch.Generator`` for the uniforms and the residual draw.
+
+    Returns:
+        ``(accepted (B,), next_token (B,))``: accepted draft count in ``[0, n]`` and the token that
+        follows them (residual sample or bonus).
+    """
+    bsz, n = draft_tokens.shape
+    rows = torch.arange(bsz, device=draft_tokens.device)
+    p_x = target_probs[:, :n].gather(-1, draft_tokens[..., None])[..., 0]
+    q_x = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    u = torch.rand(bsz, n, generator=generator, device=draft_tokens.device)
+    ok = u * q_x < p_x  # u < p/q, with q(x) > 0 because x was drawn from q
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    p_next = target_probs[rows, accepted]
+    q_next = torch.cat([draft_probs, target_probs.new_zeros(bsz, 1, target_probs.shape[-1])], dim=1)[rows, accepted]
+    residual = (p_next - q_next).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p_next)  # p == q: never rejected
+    return accepted, torch.multinomial(residual, 1, generator=generator)[:, 0]
+
+
+@dataclass
+class _Sampling:
+    """How tokens are chosen from logits: generate's processors, then argmax (greedy) or a sample.
+
+    ``procs`` is generate's own ``LogitsProcessorList`` (warpers included when sampling). When every
+    processor is prefix-free (``_PREFIX_FREE``), one batched call processes a whole block (the fast
+    path, as cheap as before); otherwise each slot is processed with its own prefix and drafts are
+    chosen slot by slot (``_process_at``).
+    """
+
+    procs: LogitsProcessorList
+    do_sample: bool
+    generator: Optional[torch.Generator]
+    sample_draft: bool = True
+    history: Optional[_History] = None  # set when some processor reads the prefix
+
+    want_scores: bool = False  # output_scores / output_logits: return processed scores from verify
+
+    def _lengths(self, rows) -> torch.Tensor:
+        return rows.n_new + self.history.prompt_len  # (A,) history length, anchor included
+
+    @property
+    def needs_prefix(self) -> bool:
+        return any(not isinstance(p, _PREFIX_FREE) for p in self.procs)
+
+    def processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """Prefix-free path: ``(B, n, V)`` logits -> processed fp32 scores, one batched call."""
+        b, n, v = logits.shape
+        flat = logits.reshape(b * n, v).float()
+        if len(self.procs):
+            flat = self.procs(flat.new_zeros(b * n, 1, dtype=torch.long), flat)
+        return flat.view(b, n, v)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``(B, n, V)`` logits -> processed probabilities, fp32 (prefix-free path)."""
+        return torch.softmax(self.processed(logits), dim=-1)
+
+    def _pick(self, scores: torch.Tensor, sample: bool) -> torch.LongTensor:
+        """``(N, V)`` processed scores -> ``(N,)`` tokens: a sample or the argmax."""
+        if sample:
+            return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator)[:, 0]
+        return scores.argmax(dim=-1)
+
+    def first(self, logits: torch.Tensor, input_ids: torch.Tensor):
+        """The prefill token ``(B,)`` and its processed scores ``(B, V)`` from the last prompt logits ``(B, V)``;
+        processors see the whole prompt batch, exactly as in generate's first step."""
+        scores = self.procs(input_ids, logits.float()) if len(self.procs) else logits.float()
+        return self._pick(scores, self.do_sample), scores
+
+    def propose(self, draft_logits: torch.Tensor, rows):
+        """Draft tokens ``(A, n)`` and their distribution q ``(A, n, V)`` (None when greedy)."""
+        if not self.needs_prefix:
+            if not self.do_sample:
+                scores = self.processed(draft_logits) if len(self.procs) else draft_logits
+                return scores.argmax(dim=-1), None
+            q = self.probs(draft_logits)
+            if not self.sample_draft:
+                tokens = q.argmax(dim=-1)
+                return tokens, torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype)
+            return torch.multinomial(q.flatten(0, 1), 1, generator=self.generator).view(q.shape[:2]), q
+        # slot by slot: slot j is processed given the drafts chosen before it
+        a, n, _ = draft_logits.shape
+        tokens = draft_logits.new_zeros(a, n, dtype=torch.long)
+        qs = []
+        for j in range(n):
+            scores = _process_at(self.procs, self.history, rows.ids, self._lengths(rows), tokens[:, :j],
+                                 draft_logits[:, j])
+            tokens[:, j] = self._pick(scores, self.do_sample and self.sample_draft)
+            qs.append(torch.softmax(scores, dim=-1))
+        if not self.do_sample:
+            return tokens, None
+        q = torch.stack(qs, dim=1)
+        return tokens, (q if self.sample_draft else torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype))
+
+    def target_scores(self, drafts: torch.Tensor, target_logits: torch.Tensor, rows) -> torch.Tensor:
+        """Processed target scores ``(A, n + 1, V)``: slot j sees the row's prefix + the first j drafts."""
+        if not self.needs_prefix:
+            return self.processed(target_logits)
+        return torch.stack([_process_at(self.procs, self.history, rows.ids, self._lengths(rows), drafts[:, :j],
+                                        target_logits[:, j]) for j in range(target_logits.shape[1])], dim=1)
+
+    def verify(self, drafts, q, target_logits, rows):
+        """``(accepted (A,), next_token (A,), scores (A, n + 1, V) or None)``; see ``speculative_verify``.
+
+        ``scores`` are the processed target scores (None on the greedy path without processors)."""
+        if not self.do_sample:  # greedy: keep drafts equal to the target's (processed) argmax
+            scores = self.target_scores(drafts, target_logits, rows) if len(self.procs) else None
+            choice = (target_logits if scores is None else scores).argmax(dim=-1)  # (A, n + 1)
+            accepted = (drafts == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+            if scores is None and self.want_scores:
+                scores = target_logits.float()
+            return accepted, choice.gather(1, accepted[:, None])[:, 0], scores
+        if self.needs_prefix:
+            scores = self.target_scores(drafts, target_logits, rows)
+            p = torch.softmax(scores, dim=-1)
+        else:
+            p = self.probs(target_logits)
+            scores = self.processed(target_logits) if self.want_scores else None
+        accepted, nxt = speculative_verify(drafts, p[:, :0] if q is None else q, p, self.generator)
+        return accepted, nxt, scores
+
+
+__all__ = ["speculative_verify"]
