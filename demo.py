@@ -78,6 +78,19 @@ def display_path(path: str) -> str:
         return str(path)
 
 
+def unlinked_code_file(folder: str):
+    """The first code file of ``folder`` that git checked out as a text file holding a link's target path
+    (a checkout without symlink support, ``core.symlinks=false``: ``pair/drafter``'s code files are links
+    to the root's), as ``(path, target)``; None when there is none."""
+    for path in sorted(Path(folder).glob("*.py")) + sorted(Path(folder).glob("custom_generate/*.py")):
+        if path.is_symlink() or path.stat().st_size > 200:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+        if text.startswith("../") and text.endswith(".py") and "\n" not in text:
+            return path, text
+    return None
+
+
 def load_pair(target_path: str, draft_path: str, device, dtype=None):
     """(draft, target, tokenizer) in ``dtype`` (default float32), eval mode, on ``device``.
 
@@ -92,6 +105,11 @@ def load_pair(target_path: str, draft_path: str, device, dtype=None):
     for what, path in (("target", target_path), ("drafter", draft_path)):
         if not Path(path, "config.json").is_file():
             raise CommandError(f"--{'draft' if what == 'drafter' else what} {path}: no config.json there; pass a model folder")
+    unlinked = unlinked_code_file(draft_path)
+    if unlinked is not None:
+        raise CommandError(f"--draft {draft_path}: {unlinked[0].name} holds the text {unlinked[1]!r}, not the code it "
+                           "links to: this checkout has no symlinks; run `git config core.symlinks true` and "
+                           "`git checkout -- pair/drafter` (on Windows, enable Developer Mode first)")
     if "DFlashDraftModel" in json.loads(Path(target_path, "config.json").read_text()).get("architectures", []):
         raise CommandError(f"--target {target_path}: a DFlash drafter folder; pass the target model (e.g. pair/target)")
     try:

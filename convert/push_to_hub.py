@@ -22,7 +22,6 @@ from . import sources
 from .cli import add_debug_flag, quiet_loading, run_command
 from .engines import is_hub_id
 from .errors import ConversionError
-from .sources import REMOTE_CODE_FILES
 
 # Passed to upload_folder as ignore_patterns (it adds its own DEFAULT_IGNORE_PATTERNS: .git, .cache/huggingface).
 IGNORE_PATTERNS = ("__pycache__", "__pycache__/*", "*/__pycache__/*", "*.pyc", ".DS_Store", "*/.DS_Store", "_dflash_convert_tmp_*")
@@ -84,7 +83,7 @@ def check_push_folder(folder: str, files: list) -> str:
     dialect = sources.detect_dialect(sources.read_config(folder))
     if dialect not in ("dflash-hf", "specforge"):
         raise ConversionError(f"{folder!r} is in the {dialect} dialect; run python -m convert.convert_checkpoint on it first")
-    missing = [name for name in REMOTE_CODE_FILES if name not in files]
+    missing = [name for name in sources.remote_code_files(folder) if name not in files]
     if dialect == "dflash-hf" and missing:
         raise ConversionError(f"config.json has auto_map but the upload lacks {missing}; AutoModel could not load it")
     if not any(name.endswith(".safetensors") for name in files):

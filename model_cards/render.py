@@ -18,7 +18,6 @@ from convert import sources
 from convert.cli import CommandError, add_debug_flag, run_command
 from convert.engines import engine_commands, is_hub_id
 from convert.errors import ConversionError
-from convert.sources import REMOTE_CODE_FILES
 
 TEMPLATE_PATH = Path(__file__).with_name("dflash_card_template.md")
 # The CI matrix of this project (.ci/run); the card states exactly these.
@@ -132,7 +131,8 @@ def _read_folder(folder: str):
     if dialect not in ("dflash-hf", "specforge"):
         raise ConversionError(f"{folder!r} is in the {dialect} dialect; run python -m convert.convert_checkpoint on it first")
     config = translate_config(raw)
-    remote_code = dialect == "dflash-hf" and all(os.path.isfile(os.path.join(folder, f)) for f in REMOTE_CODE_FILES)
+    needed = sources.remote_code_files(folder)
+    remote_code = dialect == "dflash-hf" and all(os.path.isfile(os.path.join(folder, f)) for f in needed)
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "unknown dtype"
     return config, remote_code, dtype
 

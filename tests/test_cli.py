@@ -120,6 +120,17 @@ def test_demo_missing_folder_is_one_line(tmp_path, capsys):
     assert str(tmp_path / "none") in line and "config.json" in line
 
 
+def test_demo_names_a_checkout_without_symlinks(tmp_path, capsys):
+    """git with ``core.symlinks=false`` checks pair/drafter's links out as text files holding the target path."""
+    draft = tmp_path / "drafter"
+    draft.mkdir()
+    (draft / "config.json").write_text((REPO / "pair" / "drafter" / "config.json").read_text())
+    (draft / "modeling_dflash.py").write_text("../../modeling_dflash.py")
+    assert demo.main(["--quick", "--draft", str(draft)]) == 1
+    line = _one_error_line(capsys)
+    assert "modeling_dflash.py" in line and "no symlinks" in line and "git config core.symlinks true" in line
+
+
 def test_help_needs_no_torch():
     """``--help`` answers before the heavy imports (checked by module, not by time)."""
     code = ("import sys, runpy; sys.argv = ['x', '--help']\n"

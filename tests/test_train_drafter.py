@@ -312,22 +312,3 @@ def test_demo_quick_runs(tmp_path):
     assert "tau" in proc.stdout and "identical to the target" in proc.stdout
     data = json.loads(out.read_text())
     assert data["schema"] == "dflash-acceptance/v1" and data["datasets"][0]["tau"] >= 1.0
-
-
-@needs_pair
-@pytest.mark.parametrize("name", ["configuration_dflash.py", "modeling_dflash.py", "generation_utils.py",
-                                  "target_cache.py", "target_families.py", "static_generate.py"])
-def test_embedded_drafter_ships_the_current_remote_code(name):
-    """pair/drafter loads through its own copies of the Hub files; they must not go stale."""
-    assert (PAIR / "drafter" / name).read_bytes() == (REPO / name).read_bytes(), (
-        f"pair/drafter/{name} differs from ./{name}: cp {name} pair/drafter/")
-
-
-@needs_pair
-def test_embedded_drafter_ships_the_current_custom_generate_entry():
-    """pair/drafter/custom_generate/generate.py is what save_pretrained writes today."""
-    from generation_utils import CUSTOM_GENERATE_PY
-
-    assert (PAIR / "drafter" / "custom_generate" / "generate.py").read_text() == CUSTOM_GENERATE_PY, (
-        "pair/drafter/custom_generate/generate.py is stale: "
-        "python -c \"import generation_utils as g; g.write_custom_generate('pair/drafter')\"")

@@ -1,0 +1,1 @@
+../../native_routes.py

@@ -1,0 +1,1 @@
+../../remote_code_cache.py

@@ -1,0 +1,1 @@
+../../stopping_criteria.py
