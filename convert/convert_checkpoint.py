@@ -306,6 +306,10 @@ def _check_generation(converted, reference, target, seed: int) -> None:
         from transformers import AutoModelForCausalLM
 
         target = AutoModelForCausalLM.from_pretrained(target, dtype="auto").eval()
+    from .loading import check_pair
+
+    name = getattr(target, "name_or_path", type(target).__name__)
+    check_pair(reference, target, "the drafter", "--verify-target", "", name)  # one line before any forward
     gen = torch.Generator().manual_seed(seed)
     vocab = target.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, 8), generator=gen)
@@ -495,6 +499,10 @@ def convert_checkpoint(
     """
     output = os.path.abspath(output)
     _check_output(output, overwrite)
+    if isinstance(verify_target, str):  # a local path that is missing is said now, with no Hub call
+        from .paths import locate_model
+
+        verify_target = locate_model(verify_target, "--verify-target")
     source_dir = sources.resolve_source(source, revision, allow_pickle, token)
     _check_not_nested(source_dir, output)
     plan = plan_conversion(source, source_dir, output, allow_pickle, engine_only, target_id, target_revision)

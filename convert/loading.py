@@ -61,7 +61,8 @@ def check_pair(draft, target, draft_flag: str, target_flag: str, draft_path: str
         draft.spec_generate(target, ids, max_new_tokens=1, temperature=0.0)
     except ValueError as err:
         first = (str(err).strip().splitlines() or ["ValueError"])[0]
-        raise CommandError(f"{draft_flag} {draft_path} does not fit {target_flag} {target_path}: {first}") from err
+        drafter = f"{draft_flag} {draft_path}".strip()
+        raise CommandError(f"{drafter} does not fit {target_flag} {target_path}: {first}") from err
 
 
 def load_pair(target_path: str, draft_path: str, device, dtype, target_flag: str = "--target",
