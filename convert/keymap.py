@@ -96,7 +96,7 @@ def check_keys(mapping: dict, source_shapes: dict, expected_shapes: dict) -> Non
     if problems:  # the first problem on the first line: command lines print only that line
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         raise ConversionError(f"the source weights do not fit the DFlash draft built from its config: {problems[0]}"
-                              f"{more}" + "".join("\n  " + p for p in problems))
+                              f"{more}" + ("".join("\n  " + p for p in problems) if more else ""))
 
 
 __all__ = ["DROPPED_KEYS", "KEY_RENAMES", "check_keys", "drop_reason", "map_keys", "rename_key"]
