@@ -282,3 +282,11 @@ def test_plot_curves_missing_or_bad_log_is_one_line(tmp_path, capsys):
     bad.write_text('{"step": 1, "loss": 2.0}\nnot json\n')
     assert plot_curves.main([str(bad), "-o", str(tmp_path / "x.png")]) == 1
     assert f"{bad}:2: not JSON" in one_line(capsys)
+
+
+def test_converter_warns_naming_the_last_layer_tap(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert cc.main(["pair/drafter", "/nonexistent/out", "--dry-run", "--target-id", "me/t"]) == 0
+    assert "tap layer 5, the target's last layer (6 layers)" in capsys.readouterr().out
+    assert cc.last_layer_tap_warning([1, 9, 17, 25, 33], 36) is None
+    assert cc.last_layer_tap_warning([1, 3, 5], None) is None  # depth unknown: nothing to say
