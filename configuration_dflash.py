@@ -212,6 +212,12 @@ class DFlashConfig(PreTrainedConfig):
         kwargs.pop("tie_word_embeddings", None)
         kwargs.pop("model_type", None)
         super().__init__(tie_word_embeddings=False, **kwargs)
+        # The drafter speaks its target's tokenizer (it borrows the target's embedding and head), so it carries
+        # the target's special ids when they are known; transformers' pipeline compares them with the target's
+        # to decide whether the assistant needs its own tokenizer (and 5.x configs no longer define them).
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if not hasattr(self, name):
+                setattr(self, name, kwargs.get(name))
         # Engine keys for targets that scale embeddings or cap logits (notes section 7), nested first.
         self.input_embedding_scale = nested.get("input_embedding_scale", input_embedding_scale)
         self.output_multiplier = nested.get("output_multiplier", output_multiplier)

@@ -18,12 +18,12 @@ and CHECKS that every output equals the target's own greedy output (exit status 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from convert.cli import CommandError, add_debug_flag, quiet_loading, run_command
+from convert.loading import load_pair
 
 ROOT = Path(__file__).resolve().parent
 QUICK_NOTE = ("--quick runs 2 prompts x 32 tokens: the fixed cost of each call (the draft's first block, "
@@ -38,10 +38,16 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=None, help="per-call block size (default: the drafter's)")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     ap.add_argument("--quick", action="store_true", help="2 prompts x 32 tokens (CI smoke run)")
-    ap.add_argument("--json", metavar="PATH", help="write a dflash-acceptance/v1 record here")
-    ap.add_argument("--target", default=str(ROOT / "pair" / "target"))
-    ap.add_argument("--draft", default=str(ROOT / "pair" / "drafter"))
-    ap.add_argument("--prompts", default=str(ROOT / "pair" / "heldout_prompts.json"))
+    ap.add_argument("--json", metavar="PATH",
+                    help="write a dflash-acceptance/v1 record here (for model_cards.render / push_to_hub --acceptance)")
+    ap.add_argument("--dataset-name", metavar="NAME",
+                    help="the dataset name in the --json record (default: the --prompts file's name without suffix)")
+    ap.add_argument("--target", default=str(ROOT / "pair" / "target"), help="target folder or Hub id")
+    ap.add_argument("--draft", default=str(ROOT / "pair" / "drafter"), help="drafter folder or Hub id")
+    ap.add_argument("--prompts", default=str(ROOT / "pair" / "heldout_prompts.json"),
+                    help="a JSON list of prompts (strings, or objects with 'prompt', 'text' or 'turns'; "
+                         "'path'/'name' label them) or a JSONL file with one such prompt per line; "
+                         "the text is continued as is, no chat template")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default 1: these small models run fastest on one thread; 0 = torch default)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -76,55 +82,6 @@ def display_path(path: str) -> str:
         return Path(path).resolve().relative_to(ROOT).as_posix()
     except ValueError:
         return str(path)
-
-
-def unlinked_code_file(folder: str):
-    """The first code file of ``folder`` that git checked out as a text file holding a link's target path
-    (a checkout without symlink support, ``core.symlinks=false``: ``pair/drafter``'s code files are links
-    to the root's), as ``(path, target)``; None when there is none."""
-    for path in sorted(Path(folder).glob("*.py")) + sorted(Path(folder).glob("custom_generate/*.py")):
-        if path.is_symlink() or path.stat().st_size > 200:
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace").strip()
-        if text.startswith("../") and text.endswith(".py") and "\n" not in text:
-            return path, text
-    return None
-
-
-def load_pair(target_path: str, draft_path: str, device, dtype=None):
-    """(draft, target, tokenizer) in ``dtype`` (default float32), eval mode, on ``device``.
-
-    Raises:
-        CommandError: a folder is missing or is not a model folder (named), or its weights are unreadable.
-    """
-    import torch
-    from safetensors import SafetensorError
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
-    dtype = dtype or torch.float32
-    for what, path in (("target", target_path), ("drafter", draft_path)):
-        if not Path(path, "config.json").is_file():
-            raise CommandError(f"--{'draft' if what == 'drafter' else what} {path}: no config.json there; pass a model folder")
-    unlinked = unlinked_code_file(draft_path)
-    if unlinked is not None:
-        raise CommandError(f"--draft {draft_path}: {unlinked[0].name} holds the text {unlinked[1]!r}, not the code it "
-                           "links to: this checkout has no symlinks; run `git config core.symlinks true` and "
-                           "`git checkout -- pair/drafter` (on Windows, enable Developer Mode first)")
-    if "DFlashDraftModel" in json.loads(Path(target_path, "config.json").read_text()).get("architectures", []):
-        raise CommandError(f"--target {target_path}: a DFlash drafter folder; pass the target model (e.g. pair/target)")
-    try:
-        tok = AutoTokenizer.from_pretrained(target_path)
-        target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
-        draft = AutoModel.from_pretrained(draft_path, trust_remote_code=True, dtype=dtype).to(device).eval()
-    except SafetensorError as err:
-        raise CommandError(f"unreadable safetensors weights in {target_path} or {draft_path} ({err}): "
-                           "restore the folder (git checkout pair/)") from err
-    if not hasattr(draft, "spec_generate"):
-        raise CommandError(f"--draft {draft_path}: {type(draft).__name__} is not a DFlash drafter (no spec_generate); "
-                           "pass a drafter folder such as pair/drafter")
-    if not hasattr(target, "get_output_embeddings") or target.get_output_embeddings() is None:
-        raise CommandError(f"--target {target_path}: not a causal LM with an output head")
-    return draft, target, tok
 
 
 def explain_settings(device, dtype_name: str, threads: int, explicit_threads: bool) -> str:
@@ -168,8 +125,18 @@ def run(args) -> int:
     """The demo; returns the exit status (0 = every output equals the target's)."""
     import torch
 
+    from bench.acceptance import acceptance_record, dataset_name, write_acceptance
+    from bench.prompts import local_prompts
+
     if not Path(args.prompts).is_file():
-        raise CommandError(f"--prompts {args.prompts}: no such file; pass a JSON list of {{'path', 'name', 'prompt'}}")
+        raise CommandError(f"--prompts {args.prompts}: no such file; pass a JSON list or JSONL file of prompts")
+    try:
+        prompts = local_prompts(args.prompts, args.num_prompts)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CommandError(f"--prompts {args.prompts}: {err}") from None
+    from convert.paths import locate_model
+
+    args.target, args.draft = locate_model(args.target, "--target"), locate_model(args.draft, "--draft")
     device = _device(args.device)
     threads = 1 if args.threads is None else args.threads
     if threads:
@@ -181,13 +148,12 @@ def run(args) -> int:
     t_load = time.perf_counter()
     draft, target, tok = load_pair(args.target, args.draft, device, getattr(torch, args.dtype))
     block = args.block_size or draft.config.block_size
-    prompts = json.loads(Path(args.prompts).read_text())[: args.num_prompts]
     n_params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     print(f"target {display_path(args.target)}: {n_params(target) / 1e6:.2f} M params | drafter {display_path(args.draft)}: "
           f"{n_params(draft) / 1e6:.2f} M params, {draft.config.num_hidden_layers} layers, block {block}, "
           f"target layers {draft.config.target_layer_ids} | {device}, {args.dtype}, {torch.get_num_threads()} threads | "
           f"loaded in {time.perf_counter() - t_load:.1f}s")
-    encoded = [tok(p["prompt"], return_tensors="pt", add_special_tokens=False)["input_ids"].to(device) for p in prompts]
+    encoded = [tok(p["turns"][0], return_tensors="pt", add_special_tokens=False)["input_ids"].to(device) for p in prompts]
     gen_kwargs = dict(do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=target.generation_config.eos_token_id)
 
     def target_alone(ids, n):
@@ -216,12 +182,13 @@ def run(args) -> int:
         steps += out.acceptance_lengths
         same = out.sequences.tolist() == ref.tolist()
         if not same:
-            mismatches.append(p["path"])
+            mismatches.append(p.get("path", p["id"]))
         tau_p = sum(out.acceptance_lengths) / max(len(out.acceptance_lengths), 1)
         if not args.quiet:
-            print(f"\n----- {p['path']} :: {p['name']}  (tau {tau_p:.2f}, {'identical' if same else 'DIFFERENT'})")
+            label = f"{p['path']} :: {p['name']}" if "path" in p and "name" in p else p["id"]
+            print(f"\n----- {label}  (tau {tau_p:.2f}, {'identical' if same else 'DIFFERENT'})")
             bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")  # generated text in bold
-            print(p["prompt"] + bold + tok.decode(out.sequences[0, ids.shape[1]:]) + plain)
+            print(p["turns"][0] + bold + tok.decode(out.sequences[0, ids.shape[1]:]) + plain)
 
     tau = sum(steps) / max(len(steps), 1)
     tps_ref, tps_spec = n_ref / t_ref, n_spec / t_spec
@@ -235,14 +202,13 @@ def run(args) -> int:
     print(f"target alone: {tps_ref:.1f} tok/s | DFlash: {tps_spec:.1f} tok/s | speedup {speedup:.2f}x"
           + (" (--quick: not a speed figure, see above)" if args.quick else ""))
     if args.json:
-        record = {
-            "schema": "dflash-acceptance/v1", "target": display_path(args.target), "draft": display_path(args.draft),
-            "block_size": int(block), "dtype": args.dtype, "device": str(device),
-            "datasets": [{"name": "stdlib-heldout-docstrings", "num_prompts": len(prompts),
-                          "max_new_tokens": int(args.max_new_tokens), "temperature": 0.0, "tau": round(tau, 4),
-                          "speedup": round(speedup, 4)}],
-        }
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        import transformers
+
+        record = acceptance_record(display_path(args.target), display_path(args.draft), block, args.dtype, str(device),
+                                   dataset_name(args.dataset_name, None, args.prompts), len(prompts),
+                                   args.max_new_tokens, 0.0, tau, None if args.quick else speedup,
+                                   transformers.__version__)
+        write_acceptance(record, args.json)
         print(f"wrote {args.json}")
     if mismatches:
         print(f"FAIL: speculative output differs from the target's greedy output on {mismatches}")

@@ -6,7 +6,10 @@
     python -m bench --sweep 64,512,1024               # + prompt-length sweep (held-out prompts left-extended)
     python -m bench --dataset gsm8k --chat-template   # an evaluation set through `datasets` (needs the Hub)
 
-Writes a JSON report (``--out``) and a PNG plot (``--plot``), prints a markdown table.
+Writes a JSON report (``--out``) and a PNG plot (``--plot``), prints a markdown table; ``--acceptance-out``
+also writes the ``dflash-acceptance/v1`` record of the package contender (for ``model_cards.render`` and
+``convert.push_to_hub --acceptance``). Exit status 0, 1 for a refused input or a greedy output that differs
+from ``target.generate`` (one line on stderr; ``--debug`` shows the traceback), 2 for a usage error, 130 on Ctrl-C.
 """
 from __future__ import annotations
 
@@ -19,7 +22,12 @@ from pathlib import Path
 
 import torch
 
+from convert.cli import CommandError, add_debug_flag, quiet_loading, run_command
+from convert.loading import load_pair
+from convert.paths import locate_model
+
 from . import contenders as C
+from .acceptance import acceptance_record, dataset_name, write_acceptance
 from .core import interleaved, plot, summarize, table
 from .prompts import DATASETS, HELDOUT, dataset_prompts, encode, extend_prompt, local_prompts, render
 
@@ -28,9 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=str(ROOT / "pair" / "target"))
-    ap.add_argument("--draft", default=str(ROOT / "pair" / "drafter"))
-    ap.add_argument("--prompts", default=str(HELDOUT), help="held-out JSON list or a JSONL file (prompt/text/turns)")
+    ap.add_argument("--target", default=str(ROOT / "pair" / "target"), help="target folder or Hub id")
+    ap.add_argument("--draft", default=str(ROOT / "pair" / "drafter"), help="drafter folder or Hub id")
+    ap.add_argument("--prompts", default=str(HELDOUT),
+                    help="a JSON list or JSONL file of prompts (strings, or objects with prompt/text/turns)")
     ap.add_argument("--dataset", choices=sorted(DATASETS), help="an evaluation set instead of --prompts")
     ap.add_argument("--data-files", nargs="+", help="local JSON/JSONL file(s) in the --dataset column layout")
     ap.add_argument("--num-prompts", type=int, default=16)
@@ -56,6 +65,11 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="bench_report.json")
     ap.add_argument("--plot", default="bench_report.png", help="'' for none")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--acceptance-out", metavar="PATH",
+                    help="also write the dflash-acceptance/v1 record of package@<the drafter's block size> here")
+    ap.add_argument("--dataset-name", metavar="NAME",
+                    help="dataset name in that record (default: --dataset, else the --prompts file's name)")
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
     unknown = [w for w in _names(args.contenders) if w not in CONTENDERS]
     if unknown:
@@ -63,6 +77,10 @@ def parse_args(argv=None):
     for flag in ("num_prompts", "max_new_tokens", "rounds", "sweep_prompts", "sweep_rounds"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.data_files and not args.dataset:
+        ap.error("--data-files needs --dataset (the column layout to read them with)")
+    if args.acceptance_out and "package" not in _names(args.contenders):
+        ap.error("--acceptance-out records the package contender: add package to --contenders")
     if args.baseline and not (Path(args.baseline) / "config.json").is_file():
         ap.error(f"--baseline {args.baseline}: no config.json there; pass a drafter folder")
     if args.reference_dir and not (Path(args.reference_dir) / "dflash" / "model.py").is_file():
@@ -83,11 +101,8 @@ def _names(text: str) -> list[str]:
 
 
 def load_models(args, device, dtype):
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True, dtype=dtype).to(device).eval()
+    """``(tokenizer, target, draft)``, checked to fit each other (see ``convert/loading.py``)."""
+    draft, target, tok = load_pair(args.target, args.draft, device, dtype)
     return tok, target, draft
 
 
@@ -139,21 +154,62 @@ def environment(args, device, dtype, clock) -> dict:
             "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
 
-def main(argv=None) -> dict:
+def _device(name: str):
+    """The torch device for ``--device``; CommandError for a bad name or CUDA asked for without CUDA."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CommandError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {name}: this torch has no usable CUDA; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise CommandError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
+    return device
+
+
+def main(argv=None) -> int:
+    """The command: exit status 0, 1 (a refused input, or greedy outputs that differ from the target's:
+    one line on stderr, ``--debug`` for the traceback), 2 (usage error), 130 (Ctrl-C)."""
     args = parse_args(argv)
-    if args.data_files and not args.dataset:
-        raise SystemExit("--data-files needs --dataset (the column layout to read them with)")
+    args.command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    return run_command(lambda a: 1 if _mismatches(run(a)) else 0, args)
+
+
+def _mismatches(report: dict) -> dict:
+    return {n: e["mismatches"] for n, e in report["main"]["contenders"].items() if e.get("mismatches")}
+
+
+def _check_inputs(args) -> None:
+    """Refuse missing prompt files and model arguments that point nowhere, before any model loads."""
+    if not args.dataset and not Path(args.prompts).is_file():
+        raise CommandError(f"--prompts {args.prompts}: no such file; pass a JSON list or JSONL file of prompts")
+    for flag, value in (("--target", args.target), ("--draft", args.draft)):
+        locate_model(value, flag)
+    for f in args.data_files or []:
+        if not Path(f).is_file():
+            raise CommandError(f"--data-files {f}: no such file")
+
+
+def run(args) -> dict:
+    """Measure, print and write the report (and ``--acceptance-out``); returns the report."""
+    _check_inputs(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = _device(args.device)
     dtype = getattr(torch, args.dtype)
     clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
     sampling = {"temperature": args.temperature}
+    quiet_loading()
     tok, target, draft = load_models(args, device, dtype)
+    if args.acceptance_out and str(draft.config.block_size) not in _names(args.block_sizes):
+        raise CommandError(f"--acceptance-out records package@{draft.config.block_size} (the drafter's block size): "
+                           f"add {draft.config.block_size} to --block-sizes (got {args.block_sizes})")
     try:
         records = load_prompts(args, tok)
-    except (OSError, ConnectionError) as err:  # no such file, or the Hub cannot be reached
-        raise SystemExit(f"error: cannot load the prompts ({args.dataset or args.prompts}): {str(err).splitlines()[0]}")
+    except (OSError, ConnectionError, ValueError) as err:  # unreadable file, bad record, or the Hub cannot be reached
+        raise CommandError(f"cannot load the prompts ({args.dataset or args.prompts}): {str(err).splitlines()[0]}") from err
     texts = [render(tok, r["turns"], args.chat_template, args.enable_thinking) for r in records]
     prompts = [torch.tensor([encode(tok, t)], device=device) for t in texts]
     cons = build_contenders(args, target, draft, device, dtype)
@@ -163,13 +219,37 @@ def main(argv=None) -> dict:
     report = {"title": f"{len(prompts)} prompts x {args.max_new_tokens} tokens, "
                        f"{'greedy' if greedy else f'T={args.temperature}'}, {args.rounds} rounds, {device}, "
                        f"{torch.get_num_threads()} thread(s), {args.dtype}",
-              "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": getattr(args, "command", "python -m bench"),
               "environment": environment(args, device, dtype, clock), "settings": vars(args),
               "prompt_ids": [r["id"] for r in records], "prompt_lengths": [p.shape[1] for p in prompts],
               "main": summarize(runs, cons, args.max_new_tokens, clock, greedy)}
     report["sweep"] = sweep(args, tok, target, cons, records, device, sampling, clock, greedy)
     write(report, args)
+    if args.acceptance_out:
+        write_acceptance(package_acceptance(report, args, draft), args.acceptance_out)
+        print(f"wrote {args.acceptance_out}")
     return report
+
+
+def package_acceptance(report: dict, args, draft) -> dict:
+    """The ``dflash-acceptance/v1`` record of ``package@<the drafter's block size>`` in ``report``.
+
+    Raises:
+        CommandError: that contender was not measured (``--block-sizes`` without the drafter's block size).
+    """
+    import transformers
+
+    block = int(draft.config.block_size)
+    entry = report["main"]["contenders"].get(f"package@{block}")
+    if entry is None:
+        raise CommandError(f"--acceptance-out records package@{block} (the drafter's block size): add {block} to "
+                           f"--block-sizes (got {args.block_sizes})")
+    env = report["environment"]
+    device = env["cuda"] or env["device"]
+    return acceptance_record(args.target, args.draft, block, env["dtype"], device,
+                             dataset_name(args.dataset_name, args.dataset, args.prompts), len(report["prompt_ids"]),
+                             args.max_new_tokens, args.temperature, entry["tau"], entry.get("speedup"),
+                             transformers.__version__, notes=f"python -m bench, {report['title']}")
 
 
 def sweep(args, tok, target, cons, records, device, sampling, clock, greedy) -> dict:
@@ -177,7 +257,7 @@ def sweep(args, tok, target, cons, records, device, sampling, clock, greedy) -> 
     out = {}
     for length in [int(x) for x in args.sweep.split(",") if x.strip()]:
         if not all("path" in r for r in records):
-            raise SystemExit("--sweep needs held-out prompt records (path, lineno): use the default --prompts")
+            raise CommandError("--sweep needs held-out prompt records (path, lineno): use the default --prompts")
         ids = [torch.tensor([extend_prompt(tok, r, length)], device=device) for r in records[: args.sweep_prompts]]
         runs = interleaved(cons, target, ids, args.max_new_tokens, args.sweep_rounds, sampling, args.seed,
                            progress=not args.no_progress)
@@ -198,5 +278,5 @@ def write(report: dict, args) -> None:
     for length, s in report["sweep"].items():
         print(f"\nprompt length {length}:")
         print(table(s))
-    bad = {n: e["mismatches"] for n, e in report["main"]["contenders"].items() if e.get("mismatches")}
+    bad = _mismatches(report)
     print(f"\ngreedy mismatches vs target.generate: {bad or 'none'}; wrote {out}" + (f", {args.plot}" if args.plot else ""))

@@ -66,22 +66,42 @@ def _as_list(x):
 
 
 def local_prompts(path, limit: int | None = None) -> list[dict]:
-    """Prompts from the held-out JSON list (``pair/heldout_prompts.json``) or a JSONL file whose lines
-    hold ``prompt``, ``text`` or ``turns``. Returns ``[{"id", "turns", ...}]`` (held-out records keep
-    ``path`` and ``lineno`` for the length sweep).
+    """Prompts from a local file: a JSON list (of strings, or of objects such as ``pair/heldout_prompts.json``)
+    or JSONL (one string or object per line), whatever the suffix. An object holds ``prompt``, ``text`` or
+    ``turns`` (a list of user turns). Returns ``[{"id", "turns", ...}]`` (held-out records keep ``path``
+    and ``lineno`` for the length sweep).
 
     Raises:
-        ValueError: a record with none of ``prompt`` / ``text`` / ``turns``.
+        ValueError: the file is neither JSON nor JSONL, holds no prompt, or a record has none of
+            ``prompt`` / ``text`` / ``turns`` (named with its index).
+        OSError: the file cannot be read.
     """
     path = Path(path)
-    text = path.read_text()
-    records = json.loads(text) if path.suffix == ".json" else [json.loads(l) for l in text.splitlines() if l.strip()]
+    text = path.read_text(encoding="utf-8")
+    try:
+        records = json.loads(text)
+        if not isinstance(records, list):
+            records = [records]
+    except json.JSONDecodeError:
+        records = []
+        for n, line in enumerate(text.splitlines(), start=1):
+            try:
+                records += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} is neither a JSON list nor JSONL (line {n}: {err.msg}); expected a list "
+                                 "of prompts, or one prompt per line") from None
     out = []
     for i, rec in enumerate(records[:limit] if limit is not None else records):
-        turns = rec.get("turns") or [rec.get("prompt", rec.get("text"))]
-        if turns[0] is None:
-            raise ValueError(f"{path} record {i} needs 'prompt', 'text' or 'turns'; it has {sorted(rec)}")
+        if isinstance(rec, str):
+            rec = {"prompt": rec}
+        turns = (rec.get("turns") or [rec.get("prompt", rec.get("text"))]) if isinstance(rec, dict) else [None]
+        if not isinstance(turns, list) or not all(isinstance(t, str) and t for t in turns):
+            have = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+            raise ValueError(f"{path} record {i} needs a non-empty string, or an object with 'prompt', 'text' or "
+                             f"'turns'; it has {have}")
         out.append({**rec, "id": rec.get("id", f"{path.name}/{i}"), "turns": list(turns)})
+    if not out:
+        raise ValueError(f"{path} holds no prompt")
     return out
 
 

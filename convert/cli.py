@@ -40,8 +40,8 @@ def hub_error_message(err: BaseException, repo_id: str):
         return None
     offline = tuple(c for c in (getattr(errors, "LocalEntryNotFoundError", None), getattr(errors, "OfflineModeIsEnabled", None)) if c)
     if offline and isinstance(err, offline):
-        return (f"{repo_id!r} is not in the local Hugging Face cache and the Hub cannot be reached (HF_HUB_OFFLINE=1 "
-                "or no network): go online, unset HF_HUB_OFFLINE, or pass a local folder")
+        return (f"no local folder {repo_id!r}, and the Hub cannot be reached to look for repo {repo_id!r} (it is not "
+                "in the local cache; HF_HUB_OFFLINE=1 or no network): go online, or pass a local folder")
     if isinstance(err, errors.GatedRepoError):
         return f"Hub repo {repo_id!r} is gated: accept its terms on https://huggingface.co/{repo_id} and log in (`huggingface-cli login`)"
     if isinstance(err, errors.RepositoryNotFoundError):

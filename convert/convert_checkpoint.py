@@ -306,6 +306,10 @@ def _check_generation(converted, reference, target, seed: int) -> None:
         from transformers import AutoModelForCausalLM
 
         target = AutoModelForCausalLM.from_pretrained(target, dtype="auto").eval()
+    from .loading import check_pair
+
+    name = getattr(target, "name_or_path", type(target).__name__)
+    check_pair(reference, target, "the drafter", "--verify-target", "", name)  # one line before any forward
     gen = torch.Generator().manual_seed(seed)
     vocab = target.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, 8), generator=gen)
@@ -420,6 +424,24 @@ def _move_into_place(tmp: str, output: str) -> None:
 # ----------------------------------------------------------------------------- the conversion
 
 
+def last_layer_tap_warning(target_layer_ids, num_target_layers):
+    """A warning naming the tap when a drafter taps its target's LAST layer (None otherwise or when the
+    target's depth is unknown).
+
+    Layer id k is the output of target layer k (notes section 2); for the last layer this package and the
+    authors' code take the state after the final norm (Hugging Face ``hidden_states[-1]``), vLLM feeds the
+    state before it, and SGLang does not capture it at all, so the engines serve such a drafter with other
+    features than it was trained on. Seen running vLLM 0.33 and SGLang 0.5.23 up to weight loading
+    (issue 26); the published drafters stop at layer L - 3.
+    """
+    if num_target_layers is None or (num_target_layers - 1) not in list(target_layer_ids):
+        return None
+    return (f"warning: target_layer_ids {list(target_layer_ids)} tap layer {num_target_layers - 1}, the target's last "
+            f"layer ({num_target_layers} layers): this package takes it after the final norm, vLLM before it and SGLang "
+            "not at all, so the engines serve this drafter differently; drafters trained for engines tap at most "
+            f"layer {num_target_layers - 3}")
+
+
 def plan_conversion(source: str, source_dir: str, output: str, allow_pickle=False, engine_only=False,
                     target_id=None, target_revision=None) -> ConversionPlan:
     """Read a source folder and plan its conversion without loading any tensor data (safetensors).
@@ -443,6 +465,9 @@ def plan_conversion(source: str, source_dir: str, output: str, allow_pickle=Fals
     nested = raw.get("dflash_config") or {}
     if "target_layer_ids" not in nested and "target_layer_ids" not in raw:
         plan.notes.append(f"no target_layer_ids in the source: legacy layer rule gave {config.target_layer_ids}, now stored explicitly")
+    warning = last_layer_tap_warning(config.target_layer_ids, config.num_target_layers)
+    if warning:
+        plan.notes.append(warning)
     target = config.target_model_id
     if target is not None and not is_hub_id(target):
         plan.notes.append(f"the target is recorded as {target!r}, which is not a Hub repo id: model cards and engine "
@@ -495,6 +520,10 @@ def convert_checkpoint(
     """
     output = os.path.abspath(output)
     _check_output(output, overwrite)
+    if isinstance(verify_target, str):  # a local path that is missing is said now, with no Hub call
+        from .paths import locate_model
+
+        verify_target = locate_model(verify_target, "--verify-target")
     source_dir = sources.resolve_source(source, revision, allow_pickle, token)
     _check_not_nested(source_dir, output)
     plan = plan_conversion(source, source_dir, output, allow_pickle, engine_only, target_id, target_revision)

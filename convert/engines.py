@@ -34,7 +34,10 @@ def vllm_num_speculative_tokens(block_size: int) -> int:
 
 
 # Targets with linear-attention (Gated DeltaNet) layers: SGLang keeps per-position recurrent states
-# during verify with this scheduler option (notes section 7, the reference Qwen3.5-35B-A3B deployment).
+# during verify with this cache option (notes section 7, the reference Qwen3.5-35B-A3B deployment).
+# SGLang renamed it: `--mamba-scheduler-strategy` is refused by 0.5.23, which takes
+# `--mamba-radix-cache-strategy` (server_args.py field `mamba_radix_cache_strategy`, choices auto /
+# no_buffer / extra_buffer / extra_buffer_lazy); tests/fixtures/engine_args.json cites the source.
 HYBRID_TARGET_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
@@ -49,7 +52,7 @@ def engine_commands(draft: str, block_size: int, target=None, draft_layer_types=
             ``full_attention`` layers (Qwen3.6, Gemma 4 drafters) needs vLLM's V2 model runner
             (``VLLM_USE_V2_MODEL_RUNNER=1``; vLLM's DFlash model raises otherwise).
         target_model_type: the target's ``model_type``; hybrid linear-attention targets
-            (``HYBRID_TARGET_TYPES``) get SGLang's ``--mamba-scheduler-strategy extra_buffer``.
+            (``HYBRID_TARGET_TYPES``) get SGLang's ``--mamba-radix-cache-strategy extra_buffer``.
 
     Raises:
         ValueError: ``block_size < 2``.
@@ -64,7 +67,7 @@ def engine_commands(draft: str, block_size: int, target=None, draft_layer_types=
         f"--speculative-draft-model-path {_quote(draft)} --speculative-num-draft-tokens {block_size}"
     )
     if target_model_type in HYBRID_TARGET_TYPES:
-        sglang += " --mamba-scheduler-strategy extra_buffer"
+        sglang += " --mamba-radix-cache-strategy extra_buffer"
     return {"vllm": vllm, "sglang": sglang}
 
 

@@ -91,9 +91,12 @@ def check_keys(mapping: dict, source_shapes: dict, expected_shapes: dict) -> Non
     for key in sorted(set(mapped) & set(expected_shapes)):
         got, want = tuple(source_shapes[mapped[key]]), tuple(expected_shapes[key])
         if got != want:
-            problems.append(f"shape of {mapped[key]!r} is {list(got)} but the config implies {list(want)} for {key!r}")
-    if problems:
-        raise ConversionError("the source weights do not fit the DFlash draft built from its config:\n  " + "\n  ".join(problems))
+            problems.append(f"tensor {mapped[key]!r} has shape {list(got)}, but the config implies {list(want)} "
+                            f"for {key!r}")
+    if problems:  # the first problem on the first line: command lines print only that line
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise ConversionError(f"the source weights do not fit the DFlash draft built from its config: {problems[0]}"
+                              f"{more}" + ("".join("\n  " + p for p in problems) if more else ""))
 
 
 __all__ = ["DROPPED_KEYS", "KEY_RENAMES", "check_keys", "drop_reason", "map_keys", "rename_key"]

@@ -94,6 +94,17 @@ def check_push_folder(folder: str, files: list) -> str:
     return dialect
 
 
+def check_push_weights(folder: str) -> None:
+    """Read the header of every safetensors weight file of ``folder`` (nothing is loaded), so that a truncated
+    or corrupt file is refused before a dry run reports success or an upload starts.
+
+    Raises:
+        ConversionError: naming the unreadable file, or an index that names a missing shard.
+    """
+    fmt, paths = sources.find_weight_files(folder)
+    sources.tensor_shapes(folder, fmt, paths)
+
+
 def check_target_id(folder: str, target_id=None) -> None:
     """Refuse a card whose target is not a Hub repo id (the card's links, ``base_model`` and engine commands
     would point at a path of the machine that trained it, e.g. the shipped ``pair/target``).
@@ -156,6 +167,7 @@ def push_to_hub(
     """
     files = files_to_upload(folder)
     check_push_folder(folder, files)
+    check_push_weights(folder)
     check_target_id(folder, target_id)
     plan = PushPlan(folder=os.path.abspath(folder), repo_id=repo_id, revision=revision, create_pr=create_pr,
                     private=private, dry_run=dry_run, files=files)

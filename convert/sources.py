@@ -78,6 +78,10 @@ def resolve_source(source: str, revision=None, allow_pickle: bool = False, token
         if revision is not None:
             raise ConversionError(f"--revision {revision!r} applies to Hub repo ids, but {source!r} is a local folder")
         return os.path.abspath(source)
+    from .paths import looks_local
+
+    if looks_local(source):  # `pair/drafterx` while pair/ exists: a mistyped folder, never a Hub id
+        raise ConversionError(f"source {source}: no such folder")
     if os.path.exists(source) or not _REPO_ID.match(source):
         raise ConversionError(f"source {source!r} is neither a folder nor a Hub repo id of the form 'org/name'")
     import huggingface_hub

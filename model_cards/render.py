@@ -107,6 +107,9 @@ def load_acceptance(path) -> dict:
             data = json.load(f)
         except json.JSONDecodeError as err:
             raise AcceptanceError(f"{path} is not valid JSON: {err}") from err
+    if isinstance(data, dict) and "main" in data and "environment" in data and "schema" not in data:
+        raise AcceptanceError(f"{path} is a `python -m bench` report, not an acceptance record: rerun the benchmark "
+                              "with --acceptance-out PATH [--dataset-name NAME] and pass that file")
     return validate_acceptance(data)
 
 

@@ -129,13 +129,13 @@ def test_positive_crop_patch_keeps_n_tokens_on_every_version():
 
 @pytest.mark.skipif(not (PAIR / "drafter" / "config.json").exists(), reason="no embedded pair")
 def test_benchmark_smoke_on_the_embedded_pair(tmp_path):
-    from bench.cli import main
+    from bench.cli import parse_args, run
 
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    report = main(["--num-prompts", "1", "--max-new-tokens", "24", "--rounds", "1", "--block-sizes", "8",
+    report = run(parse_args(["--num-prompts", "1", "--max-new-tokens", "24", "--rounds", "1", "--block-sizes", "8",
                    "--contenders", "target,package,adaptive,prompt_lookup,native", "--sweep", "48",
                    "--sweep-prompts", "1", "--sweep-rounds", "1", "--out", str(out), "--plot", str(png),
-                   "--no-progress"])
+                   "--no-progress"]))
     saved = json.loads(out.read_text())
     assert png.stat().st_size > 0 and saved["main"] == json.loads(json.dumps(report["main"]))
     main_ = saved["main"]["contenders"]

@@ -117,7 +117,10 @@ def test_render_errors_are_one_line(tmp_path, capsys):
 def test_demo_missing_folder_is_one_line(tmp_path, capsys):
     assert demo.main(["--quick", "--target", str(tmp_path / "none")]) == 1
     line = _one_error_line(capsys)
-    assert str(tmp_path / "none") in line and "config.json" in line
+    assert str(tmp_path / "none") in line and "no such folder" in line
+    (tmp_path / "empty").mkdir()  # a folder that is not a model folder
+    assert demo.main(["--quick", "--target", str(tmp_path / "empty")]) == 1
+    assert "config.json" in _one_error_line(capsys)
 
 
 def test_demo_names_a_checkout_without_symlinks(tmp_path, capsys):

@@ -183,6 +183,6 @@ def test_engine_flags_per_family(name, v2_runner):
     assert cmds["vllm"].startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve") == v2_runner
     assert f'"num_speculative_tokens": {cfg.block_size - 1}' in cmds["vllm"]
     assert f"--speculative-num-draft-tokens {cfg.block_size}" in cmds["sglang"]
-    assert "--mamba-scheduler-strategy" not in cmds["sglang"]
+    assert "--mamba-radix-cache-strategy" not in cmds["sglang"]
     hybrid = engine_commands("org/draft", 16, "Qwen/Qwen3.5-35B-A3B", target_model_type="qwen3_5_moe")
-    assert hybrid["sglang"].endswith("--mamba-scheduler-strategy extra_buffer")
+    assert hybrid["sglang"].endswith("--mamba-radix-cache-strategy extra_buffer")

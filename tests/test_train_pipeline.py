@@ -149,15 +149,15 @@ def test_cli_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys,
     existing = tmp_path / "run"
     existing.mkdir()
     (existing / "x").write_text("user data")
-    assert td.main(["--output-dir", str(existing)]) == 2
+    assert td.main(["--output-dir", str(existing)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and str(existing) in err[0] and "--resume" in err[0]
     assert (existing / "x").read_text() == "user data"
     missing = tmp_path / "nope"
-    assert td.main(["--output-dir", str(tmp_path / "r2"), "--target", str(missing)]) == 2
+    assert td.main(["--output-dir", str(tmp_path / "r2"), "--target", str(missing)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(missing) in err[0]
-    assert td.main(["--preset", "dflash-b16", "--target", "x"]) == 2
+    assert td.main(["--preset", "dflash-b16", "--target", "x"]) == 1
     assert "--data" in capsys.readouterr().err
     with pytest.raises(td.UsageError):
         td.main(["--output-dir", str(existing), "--debug"])

@@ -98,8 +98,10 @@ def render_prompt(tokenizer, messages: list, enable_thinking: Optional[bool] = N
     template.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the target's tokenizer has no chat template; pass prompts as plain text "
-                         "(--preset pair/smoke) or set tokenizer.chat_template")
+        raise ValueError("the target's tokenizer has no chat template, so --data conversations cannot be rendered "
+                         "for it: train on your own data with --responses FILE.jsonl (one {\"prompt\": ..., "
+                         "\"response\": ...} text row per conversation, the prompt as the target will see it; see "
+                         "train/README.md), or give the tokenizer a chat_template")
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

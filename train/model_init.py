@@ -54,6 +54,8 @@ def build_draft_config(target, num_layers: int, block_size: int, target_layer_id
         target_layer_ids=list(target_layer_ids), num_target_layers=n_layers, target_hidden_size=t.hidden_size,
         target_model_id=target_model_id, initializer_range=getattr(t, "initializer_range", 0.02),
         architectures=["DFlashDraftModel"],
+        # the target's special ids: the drafter uses its tokenizer (a pipeline compares them to tell)
+        **{name: getattr(t, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")},
     )
     kwargs.update(overrides)
     return DFlashConfig(**kwargs)

@@ -10,12 +10,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+from convert.cli import CommandError, add_debug_flag, run_command
 
 
 def read_log(path) -> list[dict]:
-    """Parse a jsonl log, skipping blank lines."""
-    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+    """Parse a jsonl log, skipping blank lines.
+
+    Raises:
+        CommandError: no such file, or a line that is not JSON (named with its number).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CommandError(f"{path}: no such log file; pass a training log (.jsonl), e.g. runs/<name>/train_log.jsonl")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            out += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as err:
+            raise CommandError(f"{path}:{n}: not JSON ({err.msg}); expected one JSON object per line") from None
+    return out
 
 
 def plot(logs: list[str], out: str, keys=("loss", "heldout_loss"), baselines: dict | None = None,
@@ -47,14 +63,19 @@ def plot(logs: list[str], out: str, keys=("loss", "heldout_loss"), baselines: di
     plt.close(fig)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """Command-line entry point: exit status 0, 1 for a missing or unreadable log (one line), 2 for a usage error."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("logs", nargs="+", help="jsonl log files")
     ap.add_argument("-o", "--out", required=True, help="output PNG")
     ap.add_argument("--key", action="append", help="keys to plot (default loss, heldout_loss)")
     ap.add_argument("--summary", help="summary json with unigram_heldout_loss to draw as baseline")
     ap.add_argument("--title")
-    args = ap.parse_args(argv)
+    add_debug_flag(ap)
+    return run_command(_run, ap.parse_args(argv))
+
+
+def _run(args) -> int:
     base = {}
     if args.summary and Path(args.summary).exists():
         s = json.loads(Path(args.summary).read_text())
@@ -62,7 +83,8 @@ def main(argv=None) -> None:
             base["unigram baseline (held-out)"] = s["unigram_heldout_loss"]
     plot(args.logs, args.out, tuple(args.key or ("loss", "heldout_loss")), base, args.title)
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

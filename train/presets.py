@@ -47,9 +47,22 @@ PRESETS = {
 
 
 def spread_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
-    """``n`` tap layers spread from layer 1 to layer ``L - 3`` (the published Qwen3-8B drafter, 36 layers:
-    ``[1, 9, 17, 25, 33]``). Raises ValueError when the target has fewer than ``n + 3`` layers."""
-    if num_target_layers < n + 3:
-        raise ValueError(f"cannot spread {n} taps over a {num_target_layers}-layer target; pass --target-layer-ids")
+    """Tap layers for a target of ``num_target_layers`` layers, never its last layer: the published rule
+    (notes section 2, the z-lab / SpecForge legacy rule) of ``n`` ids spread evenly from layer 1 to layer
+    ``L - 3`` (the published Qwen3-8B drafter, 36 layers: ``[1, 9, 17, 25, 33]``). A target too shallow for
+    ``n`` distinct taps gets ``L - 3`` of them (6 layers: ``[1, 2, 3]``), and one tap at ``L // 2`` below 5
+    layers (the published rule for a single tap).
+
+    Why never the last layer: engines feed its tap differently (vLLM before the final norm, this package
+    and the authors' code after it, SGLang not at all), so a drafter that taps it is served differently.
+
+    Raises:
+        ValueError: a target with fewer than 2 layers (its only layer is its last).
+    """
+    if num_target_layers < 2:
+        raise ValueError(f"a {num_target_layers}-layer target has no layer but its last to tap; pass --target-layer-ids")
+    n = min(n, num_target_layers - 3)
+    if n <= 1:
+        return [num_target_layers // 2 if num_target_layers > 2 else 0]
     last = num_target_layers - 3
     return [1 + round(i * (last - 1) / (n - 1)) for i in range(n)]

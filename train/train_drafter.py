@@ -29,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+from convert.errors import CommandError
+from convert.paths import locate_model
+
 _EXPORTS = {
     "train.data": ["Example", "chat_prompts", "generate_continuations", "load_chat_rows", "load_examples",
                    "read_responses", "regenerate_responses", "render_prompt", "training_prompts"],
@@ -87,8 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", default="pair/target", help="target folder or Hub id (AutoModelForCausalLM)")
     g.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--target-layer-ids", default="1,3,5",
-                   help="comma-separated 0-based target layers (output of layer k); empty: 5 spread over the depth")
+    g.add_argument("--target-layer-ids", default=None,
+                   help="comma-separated 0-based target layers (output of layer k); default: the published spread "
+                        "for the target's depth (5 taps from layer 1 to L-3, never the last layer; the presets that "
+                        "reproduce the shipped pair pin 1,3,5)")
     g.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token")
     g.add_argument("--init", default="target",
                    help="'target' (see train/model_init.py), 'random', or a drafter folder to fine-tune (its layers, "
@@ -205,12 +210,10 @@ def _load_target(args, device):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    looks_local = args.target.startswith((".", "/", "~")) or args.target.count("/") > 1 or os.sep + os.sep in args.target
-    if looks_local and not Path(args.target).expanduser().is_dir():
-        raise UsageError(f"the target folder {args.target} does not exist (pass a folder or a Hub id to --target)")
+    target_path = locate_model(args.target, "--target")  # a mistyped folder: "no such folder", no Hub call
     try:
-        tok = AutoTokenizer.from_pretrained(args.target)
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(target_path)
+        target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
     except (OSError, ValueError) as e:  # missing / unreachable id, not a causal LM, unreadable files
         raise UsageError(f"cannot load the target {args.target!r}: {str(e).splitlines()[0]}") from e
     return tok, target.to(device).eval().requires_grad_(False)
@@ -293,7 +296,12 @@ def _fine_tune_start(args, layer_ids, mask_id):
 
     from train._paths import DFlashDraftModel
 
-    draft = DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32)
+    try:
+        draft = DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - safetensors / OSError / config errors of a damaged folder
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"--init {args.init}: cannot load the drafter ({type(e).__name__}: {first}); "
+                         "pass a complete drafter folder (config.json + model.safetensors)") from e
     c = draft.config
     for name, have, want in (("--layers", c.num_hidden_layers, args.layers), ("--block-size", c.block_size, args.block_size),
                              ("--target-layer-ids", list(c.target_layer_ids), list(layer_ids)),
@@ -358,8 +366,11 @@ def run(args) -> dict:
     t0 = time.time()
     tok, target = _load_target(args, acc.device)
     n_target_layers = target.config.get_text_config().num_hidden_layers
-    layer_ids = ([int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids
-                 else spread_layer_ids(n_target_layers))
+    try:
+        layer_ids = ([int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids
+                     else spread_layer_ids(n_target_layers))
+    except ValueError as e:
+        raise UsageError(f"--target-layer-ids {args.target_layer_ids!r}: {e}") from None
     bad = [k for k in layer_ids if not 0 <= k < n_target_layers]
     if bad:
         raise UsageError(f"--target-layer-ids {layer_ids}: {bad} outside the target's {n_target_layers} layers")
@@ -465,8 +476,8 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    """The CLI: expected failures end in one line on stderr (exit 2; ``--debug`` shows the traceback),
-    Ctrl-C in one line saying how to resume (exit 130)."""
+    """The CLI: expected failures end in one line on stderr (exit 1; ``--debug`` shows the traceback), usage
+    errors of argparse exit 2, Ctrl-C ends in one line saying how to resume (exit 130)."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         args = parse_args(argv)
@@ -481,11 +492,11 @@ def main(argv=None) -> int:
         saved = f", checkpoint {ckpt}" if ckpt else ""
         print(f"\ninterrupted {where}{saved}; continue with the same command plus --resume", file=sys.stderr)
         return 130
-    except (UsageError, FileNotFoundError, FileExistsError) as e:
+    except (UsageError, CommandError, FileNotFoundError, FileExistsError) as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""Loading the (target, drafter) pair a command line was given, with one-line errors for every bad folder.
+
+Shared by ``demo.py`` and ``python -m bench`` (and usable by any other command). Each failure is a
+[`CommandError`] naming the flag, the folder and what to do: a missing folder or Hub id (the rule of
+``convert/paths.py``), a folder without ``config.json``, a drafter passed as the target, an
+``--engine-only`` folder (no remote code: ``AutoModel`` builds a plain ``Qwen3Model``), a drafter folder
+missing one of its code files, unreadable weights, and a drafter built for another target (caught by a
+one-token ``spec_generate`` probe, which runs the package's own pairing checks before any real work).
+"""
+import json
+import os
+
+from .errors import CommandError
+from .paths import locate_model
+
+__all__ = ["check_pair", "load_pair"]
+
+
+def _config(path: str, flag: str) -> dict:
+    """The parsed ``config.json`` of a local folder (a Hub id is read by transformers itself: ``{}``)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        return {}
+    if not os.path.isfile(file):
+        raise CommandError(f"{flag} {path}: no config.json there; pass a model folder")
+    try:
+        return json.loads(open(file, encoding="utf-8").read())
+    except ValueError as err:
+        raise CommandError(f"{flag} {path}: config.json is not valid JSON ({err})") from None
+
+
+def _load(what: str, flag: str, path: str, load):
+    """``load()``, with the failures of a broken folder turned into one line naming ``flag`` and ``path``."""
+    from safetensors import SafetensorError
+
+    try:
+        return load()
+    except SafetensorError as err:
+        raise CommandError(f"{flag} {path}: unreadable safetensors weights ({err}); restore or re-download "
+                           f"the {what}") from err
+    except FileNotFoundError as err:  # remote code: a code file the config's auto_map needs is missing
+        missing = os.path.basename(err.filename or "") or str(err)
+        raise CommandError(f"{flag} {path}: the {what} folder lacks {missing}; copy the package's code files "
+                           "next to its config.json (or re-save it with save_pretrained)") from err
+    except (OSError, ValueError, RuntimeError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CommandError(f"{flag} {path}: cannot load the {what}: {first}") from err
+
+
+def check_pair(draft, target, draft_flag: str, target_flag: str, draft_path: str, target_path: str, device=None) -> None:
+    """Raise [`CommandError`] unless ``draft`` was built for ``target``.
+
+    Runs ``draft.spec_generate(target, one token, max_new_tokens=1)``: its argument checks (hidden size,
+    layer taps, vocabulary, cache support) run before any forward pass and raise ``ValueError`` naming
+    the mismatch, which becomes one line naming both folders.
+    """
+    import torch
+
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    try:
+        draft.spec_generate(target, ids, max_new_tokens=1, temperature=0.0)
+    except ValueError as err:
+        first = (str(err).strip().splitlines() or ["ValueError"])[0]
+        drafter = f"{draft_flag} {draft_path}".strip()
+        raise CommandError(f"{drafter} does not fit {target_flag} {target_path}: {first}") from err
+
+
+def unlinked_code_file(folder: str):
+    """The first code file of ``folder`` that git checked out as a text file holding a link's target path
+    (a checkout without symlink support, ``core.symlinks=false``: ``pair/drafter``'s code files are links
+    to the root's), as ``(file name, target)``; None when there is none."""
+    from pathlib import Path
+
+    for path in sorted(Path(folder).glob("*.py")) + sorted(Path(folder).glob("custom_generate/*.py")):
+        if path.is_symlink() or path.stat().st_size > 200:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+        if text.startswith("../") and text.endswith(".py") and "\n" not in text:
+            return path.name, text
+    return None
+
+
+def load_pair(target_path: str, draft_path: str, device, dtype, target_flag: str = "--target",
+              draft_flag: str = "--draft", check: bool = True):
+    """``(draft, target, tokenizer)`` in ``dtype``, eval mode, on ``device``, checked to fit each other.
+
+    Args:
+        target_path, draft_path: local folders or Hub ids (see ``convert/paths.py``).
+        target_flag, draft_flag: the flags to name in errors.
+        check: run [`check_pair`] (a one-token probe).
+
+    Raises:
+        CommandError: see the module docstring.
+    """
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    target_path = locate_model(target_path, target_flag)
+    draft_path = locate_model(draft_path, draft_flag)
+    draft_config = _config(draft_path, draft_flag)
+    if draft_config and not (draft_config.get("auto_map") or {}).get("AutoModel"):
+        raise CommandError(f"{draft_flag} {draft_path}: its config.json has no auto_map (an --engine-only or SpecForge "
+                           "folder: no remote code), so AutoModel would build a plain Qwen3Model; pass the folder "
+                           "convert_checkpoint writes without --engine-only")
+    unlinked = unlinked_code_file(draft_path) if os.path.isdir(draft_path) else None
+    if unlinked is not None:
+        raise CommandError(f"{draft_flag} {draft_path}: {unlinked[0]} holds the text {unlinked[1]!r}, not the code it "
+                           "links to: this checkout has no symlinks; run `git config core.symlinks true` and "
+                           "`git checkout -- pair/drafter` (on Windows, enable Developer Mode first)")
+    if "DFlashDraftModel" in _config(target_path, target_flag).get("architectures", []):
+        raise CommandError(f"{target_flag} {target_path}: a DFlash drafter folder; pass the target model (e.g. pair/target)")
+    tok = _load("target", target_flag, target_path, lambda: AutoTokenizer.from_pretrained(target_path))
+    target = _load("target", target_flag, target_path,
+                   lambda: AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval())
+    draft = _load("drafter", draft_flag, draft_path, lambda: AutoModel.from_pretrained(
+        draft_path, trust_remote_code=True, dtype=dtype).to(device).eval())
+    if not hasattr(draft, "spec_generate"):
+        raise CommandError(f"{draft_flag} {draft_path}: AutoModel reads it as a plain {type(draft).__name__}, not a DFlash "
+                           "drafter (an --engine-only folder has no remote code); pass the folder convert_checkpoint "
+                           "wrote without --engine-only")
+    if not hasattr(target, "get_output_embeddings") or target.get_output_embeddings() is None:
+        raise CommandError(f"{target_flag} {target_path}: not a causal LM with an output head")
+    if check:
+        check_pair(draft, target, draft_flag, target_flag, draft_path, target_path, device)
+    return draft, target, tok
