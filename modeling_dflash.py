@@ -235,7 +235,9 @@ def block_attention_mask(q_pos, k_pos, causal: bool, window: Optional[int], key_
     Context keys always sit at positions before the block, so they are visible to every query
     (notes section 1, visibility rule); inside the block, full-attention layers are bidirectional and
     causal layers see ``k_pos <= q_pos``; a sliding window keeps ``q_pos - k_pos < window`` (the
-    transformers convention). ``key_valid`` ``(b, kv_len)`` removes padding keys and cache holes.
+    transformers convention) and, in a bidirectional layer, ``k_pos - q_pos < window`` too (z-lab
+    ``dflash/model.py`` ``_attention_mask``; it matters only for a window shorter than the block, as in
+    non-causal sliding DFlash 2 layers). ``key_valid`` ``(b, kv_len)`` removes padding keys and cache holes.
     Returns None when every key is visible (the fast path of sdpa).
     """
     if not causal and window is None and key_valid is None:
@@ -246,6 +248,8 @@ def block_attention_mask(q_pos, k_pos, causal: bool, window: Optional[int], key_
         mask &= diff >= 0
     if window is not None:
         mask &= diff < window
+        if not causal:
+            mask &= -diff < window
     if key_valid is not None:
         mask &= key_valid[:, None, :].bool()
     return mask[:, None]
@@ -291,8 +295,10 @@ class DFlashAttention(nn.Module):
         bsz, q_len, _ = hidden_states.shape
         ctx_len = target_hidden.shape[1]
         q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)).transpose(1, 2)
-        kv_input = torch.cat([target_hidden, hidden_states], dim=1)  # (b, ctx_len + q_len, H): one linear call each
-        k, v = self.k_proj(kv_input), self.v_proj(kv_input)
+        # context and block projected apart, as z-lab: one call on their concatenation rounds differently
+        # on some BLAS paths, and fp32 drafts are to be bit-identical to theirs (tests/test_dflash2.py)
+        k = torch.cat([self.k_proj(target_hidden), self.k_proj(hidden_states)], dim=1)
+        v = torch.cat([self.v_proj(target_hidden), self.v_proj(hidden_states)], dim=1)
         k = self.k_norm(k.view(bsz, ctx_len + q_len, -1, self.head_dim)).transpose(1, 2)  # (b, kv_heads, n, d)
         v = v.view(bsz, ctx_len + q_len, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
@@ -308,7 +314,7 @@ class DFlashAttention(nn.Module):
             left = self.sliding_window - 1 if self.sliding_window else -1
             out = flash_attn_func(  # keys are contiguous positions; queries are the last q_len keys
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=self.scaling,
-                causal=self.is_causal, window_size=(left, 0 if self.is_causal else -1),
+                causal=self.is_causal, window_size=(left, 0 if self.is_causal else left),
             )
             return out.transpose(1, 2)
         k, v = repeat_kv(k, self.num_kv_groups), repeat_kv(v, self.num_kv_groups)
