@@ -24,8 +24,8 @@ from convert_fixtures import (
 )
 from tiny import tiny_target
 
-CODE_FILES = ["configuration_dflash.py", "custom_generate/generate.py", "generation_utils.py", "modeling_dflash.py",
-              "static_generate.py", "target_cache.py", "target_families.py"]
+CODE_FILES = ["configuration_dflash.py", "custom_generate/generate.py", "dflash2.py", "generation_utils.py",
+              "modeling_dflash.py", "static_generate.py", "target_cache.py", "target_families.py"]
 OURS = sorted(["config.json", "model.safetensors"] + CODE_FILES)
 
 
@@ -164,8 +164,8 @@ def test_index_listing_a_key_no_shard_has_fails(tmp_path):
     "overrides, reason",
     [
         ({"speculators_model_type": "dflash"}, "speculators"),
-        ({"architectures": ["DFlash2DraftModel"]}, "DFlash 2"),
-        ({"conv_kernel_size": 4}, "DFlash 2"),
+        ({"architectures": ["MuseGlimmerAssistantModel"]}, "Muse Glimmer v1 assistant"),
+        ({"model_type": "muse_glimmer_assistant"}, "Muse Glimmer v1 assistant"),
         ({"model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"]}, "model_type='llama'"),
         ({"architectures": ["Qwen3ForCausalLM"]}, "not a DFlash draft"),
     ],

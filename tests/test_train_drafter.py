@@ -316,7 +316,7 @@ def test_demo_quick_runs(tmp_path):
 
 @needs_pair
 @pytest.mark.parametrize("name", ["configuration_dflash.py", "modeling_dflash.py", "generation_utils.py",
-                                  "target_cache.py", "target_families.py", "static_generate.py"])
+                                  "target_cache.py", "target_families.py", "static_generate.py", "dflash2.py"])
 def test_embedded_drafter_ships_the_current_remote_code(name):
     """pair/drafter loads through its own copies of the Hub files; they must not go stale."""
     assert (PAIR / "drafter" / name).read_bytes() == (REPO / name).read_bytes(), (
