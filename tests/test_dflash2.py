@@ -186,6 +186,19 @@ def test_folder_written_here_loads_with_automodel_remote_code(tmp_path):
     assert type(plain).__name__ == "Qwen3Config" and plain.dflash_config["selector_top_k"] == TOP_K
 
 
+def test_automodel_loads_a_dflash1_folder_after_a_dflash2_one_in_the_same_process(tmp_path):
+    """transformers 5 maps the remote config class to the first model class loaded for it: a DFlash 1
+    folder (same configuration_dflash.py, same basename) loaded after a DFlash 2 one must still get
+    DFlashDraftModel, and the reverse."""
+    from tiny import tiny_draft
+
+    DFlashDraftModel.from_pretrained(str(write_published(tmp_path / "src"))).save_pretrained(tmp_path / "two" / "drafter")
+    tiny_draft().save_pretrained(tmp_path / "one" / "drafter")
+    for name, want in [("two", "DFlash2DraftModel"), ("one", "DFlashDraftModel"), ("two", "DFlash2DraftModel")]:
+        model = AutoModel.from_pretrained(str(tmp_path / name / "drafter"), trust_remote_code=True)
+        assert type(model).__name__ == want
+
+
 def test_converter_reads_verifies_and_writes_dflash2(tmp_path):
     tensors = published_tensors()
     prefixed = {("model." + k if k.startswith("layers.0.") else k): v for k, v in tensors.items()}

@@ -733,19 +733,19 @@ _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "c
 
 
 def _folder_own_class(cls, pretrained_model_name_or_path, kwargs):
-    """The ``DFlashDraftModel`` class of the folder's own remote code, or ``cls``.
+    """The draft class of the folder's own remote code, or ``cls``.
 
     transformers 5 maps a remote config class to the first model class loaded for it
     (``AutoModel.register``), so a second folder with the same ``configuration_dflash.py`` but another
-    ``generation_utils.py`` (or the same folder after an edit) would get the first folder's class. When
-    ``cls`` is itself remote code and the folder's config names this class in ``auto_map``, the class is
-    resolved again from the folder with transformers' public ``get_class_from_dynamic_module``
+    ``generation_utils.py`` (or the same folder after an edit, or a DFlash 1 folder after a DFlash 2 one)
+    would get the first folder's class. When ``cls`` is itself remote code and the folder's config names
+    a class of ``modeling_dflash`` in ``auto_map``, that class is resolved again from the folder with transformers' public ``get_class_from_dynamic_module``
     (keyed by the folder's files), so the folder's own code runs. Our class imported directly (from
     the repository or ``dflash_hf``) is never swapped.
     """
     config = kwargs.get("config")
     reference = (getattr(config, "auto_map", None) or {}).get("AutoModel")
-    if not cls.__module__.startswith(_REMOTE_CODE_PACKAGE) or reference != f"modeling_dflash.{cls.__name__}":
+    if not cls.__module__.startswith(_REMOTE_CODE_PACKAGE) or not str(reference).startswith("modeling_dflash."):
         return cls
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
