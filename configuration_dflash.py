@@ -25,17 +25,14 @@ logger = logging.getLogger(__name__)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
-_DFLASH2 = ("a DFlash 2 checkpoint (per-sublayer grouped causal convolutions and a low-rank candidate selector) "
-            "is not implemented here; loading it as DFlash would drop its conv/selector weights")
+_MUSE_GLIMMER_V1 = ("the Muse Glimmer v1 assistant dialect (model_type 'muse_glimmer_assistant', weights named "
+                    "'encoder.fc' / 'encoder.output_norm_enc') is not read here; load a checkpoint in the published "
+                    "DFlash / DFlash 2 layout (fc, hidden_norm, layers.*)")
 _REDUCED_VOCAB = ("a speculators checkpoint with a reduced draft vocabulary (d2t/t2d id maps) is not implemented; "
                   "this draft borrows the target's full head")
 # Config keys whose meaning this implementation cannot honour: key -> (is it set?, the real reason).
 # The ONE list of load-time refusals (notes section 2, other dialects).
 REFUSED_KEYS = {
-    "conv_kernel_size": (lambda v: v is not None, _DFLASH2),
-    "conv_group_size": (lambda v: v is not None, _DFLASH2),
-    "selector_rank": (lambda v: v is not None, _DFLASH2),
-    "selector_top_k": (lambda v: v is not None, _DFLASH2),
     "d2t": (lambda v: v is not None, _REDUCED_VOCAB),
     "t2d": (lambda v: v is not None, _REDUCED_VOCAB),
     "attention_sink_bias": (lambda v: bool(v), "per-head attention sink biases in the draft layers are not implemented"),
@@ -45,10 +42,14 @@ REFUSED_KEYS = {
     "use_swa": (lambda v: bool(v), "use_swa (sliding window on every layer with bidirectional block attention, "
                                    "MiMo style) is not implemented; express windows with layer_types"),
 }
-REFUSED_ARCHITECTURES = {"DFlash2DraftModel": _DFLASH2}
+REFUSED_ARCHITECTURES = {"MuseGlimmerAssistantModel": _MUSE_GLIMMER_V1}
+REFUSED_MODEL_TYPES = {"muse_glimmer_assistant": _MUSE_GLIMMER_V1}
 # dflash_config entries that are read (everything else there is warned about once).
-NESTED_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "causal", "input_embedding_scale",
-               "output_multiplier", "final_logit_softcapping")
+NESTED_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "causal", "is_causal", "input_embedding_scale",
+               "output_multiplier", "final_logit_softcapping", "conv_kernel_size", "conv_group_size", "selector_rank",
+               "selector_top_k")
+# The DFlash 2 keys (z-lab dflash/model.py DFlash2DraftModel / CandidateSelector): all four or none.
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # Keys published drafter configs carry that change nothing here (engine hints, bookkeeping).
 _IGNORED_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "auto_map", "bos_token_id",
                  "eos_token_id", "pad_token_id", "tie_word_embeddings", "model_type", "architectures",
@@ -65,6 +66,8 @@ def refuse_unhonourable(config_dict: dict, nested: dict) -> None:
     for arch in config_dict.get("architectures") or []:
         if arch in REFUSED_ARCHITECTURES:
             raise ValueError(f"architectures={config_dict['architectures']!r}: {REFUSED_ARCHITECTURES[arch]}")
+    if config_dict.get("model_type") in REFUSED_MODEL_TYPES:
+        raise ValueError(f"model_type={config_dict['model_type']!r}: {REFUSED_MODEL_TYPES[config_dict['model_type']]}")
     for where, source in (("", config_dict), ("dflash_config.", nested)):
         for key, (is_set, reason) in REFUSED_KEYS.items():
             if key in source and is_set(source[key]):
@@ -153,6 +156,10 @@ class DFlashConfig(PreTrainedConfig):
         output_multiplier / final_logit_softcapping (`float`, *optional*): draft logits are
             ``head(h) * output_multiplier``, then ``cap * tanh(logits / cap)`` (``draft_logits``).
             All three are read at top level or in ``dflash_config`` (nested wins) and saved nested.
+        conv_kernel_size / conv_group_size / selector_rank / selector_top_k (`int`, *optional*): DFlash 2
+            (all four, or none for DFlash 1): taps K of the grouped dynamic causal convolution, channels
+            per group (divides ``hidden_size``), rank r and candidates k of the selector (``dflash2.py``).
+            Read in ``dflash_config`` first, then at top level; saved nested.
 
     Backbone fields follow ``Qwen3Config`` (hidden_size, intermediate_size, num_hidden_layers,
     num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, attention_bias,
@@ -160,9 +167,10 @@ class DFlashConfig(PreTrainedConfig):
     (``rope_theta`` + ``rope_scaling`` or ``rope_parameters``; default, linear, yarn, llama3).
 
     Raises:
-        ValueError: at construction, naming the bad value: any key of ``REFUSED_KEYS`` (DFlash 2,
-            reduced draft vocabularies, attention sink biases, partial rotary, ``use_swa``), a refused
-            architecture, per-layer-type rope with differing values; missing or duplicate or negative
+        ValueError: at construction, naming the bad value: any key of ``REFUSED_KEYS`` (reduced draft
+            vocabularies, attention sink biases, partial rotary, ``use_swa``), a refused architecture or
+            model type (the Muse Glimmer v1 assistant dialect), per-layer-type rope with differing values;
+            a partial or invalid set of DFlash 2 keys (group size not dividing ``hidden_size``...); missing or duplicate or negative
             ``target_layer_ids``, ``mask_token_id`` outside ``[0, vocab_size)``, ``block_size < 1``,
             ``layer_types`` of the wrong length or with an unknown type, a sliding layer without window.
     """
@@ -203,6 +211,10 @@ class DFlashConfig(PreTrainedConfig):
         input_embedding_scale=None,
         output_multiplier=None,
         final_logit_softcapping=None,
+        conv_kernel_size=None,
+        conv_group_size=None,
+        selector_rank=None,
+        selector_top_k=None,
         dflash_config=None,
         **kwargs,
     ):
@@ -226,8 +238,14 @@ class DFlashConfig(PreTrainedConfig):
         block_size = nested.get("block_size", block_size)
         mask_token_id = nested.get("mask_token_id", mask_token_id)
         target_layer_ids = nested.get("target_layer_ids", target_layer_ids)
-        if is_causal is None and nested.get("causal") is not None:
-            is_causal = nested["causal"]
+        for key in ("is_causal", "causal"):  # nested spellings first, then the top level
+            if nested.get(key) is not None:
+                is_causal = nested[key]
+                break
+        dflash2 = dict(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                       selector_rank=selector_rank, selector_top_k=selector_top_k)
+        for key in DFLASH2_KEYS:
+            setattr(self, key, nested.get(key, dflash2[key]))
 
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -274,6 +292,19 @@ class DFlashConfig(PreTrainedConfig):
         self.target_revision = target_revision
         self._validate_dflash()
 
+    @staticmethod
+    def names_dflash2(values: dict) -> bool:
+        """Whether a ``config.json`` dict is a DFlash 2 one: ``architectures`` names ``DFlash2DraftModel``
+        or a key of ``DFLASH2_KEYS`` is set at top level or in ``dflash_config``."""
+        nested = values.get("dflash_config") or {}
+        return ("DFlash2DraftModel" in (values.get("architectures") or [])
+                or any(values.get(k) is not None or nested.get(k) is not None for k in DFLASH2_KEYS))
+
+    @property
+    def is_dflash2(self) -> bool:
+        """Whether this is a DFlash 2 drafter (its config sets the ``DFLASH2_KEYS``)."""
+        return any(getattr(self, key, None) is not None for key in DFLASH2_KEYS)
+
     @property
     def num_target_features(self) -> int:
         """Number of captured target layers; ``fc`` maps ``num_target_features * target_hidden_size -> hidden_size``."""
@@ -289,7 +320,25 @@ class DFlashConfig(PreTrainedConfig):
         """Sliding window in tokens of draft layer ``layer_idx`` (key visible iff q_pos - k_pos < window), or None."""
         return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
 
+    def _validate_dflash2(self):
+        values = {key: getattr(self, key) for key in DFLASH2_KEYS}
+        given = [key for key, value in values.items() if value is not None]
+        if not given:
+            return
+        if len(given) < len(DFLASH2_KEYS):
+            missing = [key for key in DFLASH2_KEYS if key not in given]
+            raise ValueError(f"a DFlash 2 config needs all of {list(DFLASH2_KEYS)}; it sets {given} but not {missing}")
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(f"conv_group_size={self.conv_group_size} does not divide hidden_size={self.hidden_size}: "
+                             "the convolution's channel groups must tile the hidden state")
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(f"selector_top_k={self.selector_top_k} exceeds vocab_size={self.vocab_size}")
+
     def _validate_dflash(self):
+        self._validate_dflash2()
         for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -329,7 +378,7 @@ class DFlashConfig(PreTrainedConfig):
         """The published dialect plus our fields: both rope spellings, ``dflash_config`` nested copy."""
         out = super().to_dict()
         out["model_type"] = "qwen3"
-        out.setdefault("architectures", ["DFlashDraftModel"])
+        out.setdefault("architectures", ["DFlash2DraftModel" if self.is_dflash2 else "DFlashDraftModel"])
         rope = copy.deepcopy(self.rope_parameters)
         out["rope_parameters"] = rope
         out["rope_theta"] = rope["rope_theta"]
@@ -340,7 +389,7 @@ class DFlashConfig(PreTrainedConfig):
             "mask_token_id": self.mask_token_id,
             "block_size": self.block_size,
         }
-        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping") + DFLASH2_KEYS:
             value = out.pop(name, None)  # engines read these in dflash_config
             if value is not None:
                 out["dflash_config"][name] = value
@@ -371,4 +420,4 @@ _ALWAYS_SAVED = (
 )
 
 
-__all__ = ["DFlashConfig", "legacy_target_layer_ids", "normalize_rope"]
+__all__ = ["DFLASH2_KEYS", "DFlashConfig", "legacy_target_layer_ids", "normalize_rope"]

@@ -10,6 +10,7 @@ z-lab / SpecForge checkpoints, so they load strictly with no renaming.
 
 import functools
 import math
+import os
 import sys
 from typing import Optional
 
@@ -35,6 +36,7 @@ try:
     from .configuration_dflash import DFlashConfig
     from .custom_generate_template import generate as _custom_generate  # noqa: F401
     from .decode_step import crop_cache  # noqa: F401
+    from .dflash2 import CODEBOOK_KEY_MAPPING, CandidateSelector, GroupedDynamicCausalConv, SelectorDraft, selector_walk
     from .generation_arguments import NOT_PASSED  # noqa: F401
     from .generation_output import DFlashGenerateOutput  # noqa: F401
     from .generation_utils import spec_generate as _spec_generate
@@ -50,6 +52,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from configuration_dflash import DFlashConfig
     from custom_generate_template import generate as _custom_generate  # noqa: F401
     from decode_step import crop_cache  # noqa: F401
+    from dflash2 import CODEBOOK_KEY_MAPPING, CandidateSelector, GroupedDynamicCausalConv, SelectorDraft, selector_walk
     from generation_arguments import NOT_PASSED  # noqa: F401
     from generation_output import DFlashGenerateOutput  # noqa: F401
     from generation_utils import spec_generate as _spec_generate
@@ -209,7 +212,9 @@ def block_attention_mask(q_pos, k_pos, causal: bool, window: Optional[int], key_
     Context keys always sit at positions before the block, so they are visible to every query
     (notes section 1, visibility rule); inside the block, full-attention layers are bidirectional and
     causal layers see ``k_pos <= q_pos``; a sliding window keeps ``q_pos - k_pos < window`` (the
-    transformers convention). ``key_valid`` ``(b, kv_len)`` removes padding keys and cache holes.
+    transformers convention) and, in a bidirectional layer, ``k_pos - q_pos < window`` too (z-lab
+    ``dflash/model.py`` ``_attention_mask``; it matters only for a window shorter than the block, as in
+    non-causal sliding DFlash 2 layers). ``key_valid`` ``(b, kv_len)`` removes padding keys and cache holes.
     Returns None when every key is visible (the fast path of sdpa).
     """
     if not causal and window is None and key_valid is None:
@@ -220,6 +225,8 @@ def block_attention_mask(q_pos, k_pos, causal: bool, window: Optional[int], key_
         mask &= diff >= 0
     if window is not None:
         mask &= diff < window
+        if not causal:
+            mask &= -diff < window
     if key_valid is not None:
         mask &= key_valid[:, None, :].bool()
     return mask[:, None]
@@ -265,8 +272,10 @@ class DFlashAttention(nn.Module):
         bsz, q_len, _ = hidden_states.shape
         ctx_len = target_hidden.shape[1]
         q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)).transpose(1, 2)
-        kv_input = torch.cat([target_hidden, hidden_states], dim=1)  # (b, ctx_len + q_len, H): one linear call each
-        k, v = self.k_proj(kv_input), self.v_proj(kv_input)
+        # context and block projected apart, as z-lab: one call on their concatenation rounds differently
+        # on some BLAS paths, and fp32 drafts are to be bit-identical to theirs (tests/test_dflash2.py)
+        k = torch.cat([self.k_proj(target_hidden), self.k_proj(hidden_states)], dim=1)
+        v = torch.cat([self.v_proj(target_hidden), self.v_proj(hidden_states)], dim=1)
         k = self.k_norm(k.view(bsz, ctx_len + q_len, -1, self.head_dim)).transpose(1, 2)  # (b, kv_heads, n, d)
         v = v.view(bsz, ctx_len + q_len, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
@@ -282,7 +291,7 @@ class DFlashAttention(nn.Module):
             left = self.sliding_window - 1 if self.sliding_window else -1
             out = flash_attn_func(  # keys are contiguous positions; queries are the last q_len keys
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=self.scaling,
-                causal=self.is_causal, window_size=(left, 0 if self.is_causal else -1),
+                causal=self.is_causal, window_size=(left, 0 if self.is_causal else left),
             )
             return out.transpose(1, 2)
         k, v = repeat_kv(k, self.num_kv_groups), repeat_kv(v, self.num_kv_groups)
@@ -372,11 +381,21 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     Attributes ``block_size``, ``mask_token_id`` and ``target_layer_ids`` mirror the config (the
     public surface of the z-lab implementation). Generate with [`spec_generate`].
+
+    Raises:
+        ValueError: the config is a DFlash 2 one (build [`DFlash2DraftModel`]; ``from_pretrained`` does).
     """
 
+    decoder_layer_class = DFlashDecoderLayer
+    _is_dflash2_class = False
+
     def __init__(self, config: DFlashConfig):
+        if config.is_dflash2 != self._is_dflash2_class:
+            raise ValueError(f"{type(self).__name__} cannot be built from a DFlash {'2' if config.is_dflash2 else '1'} config "
+                             f"(conv_kernel_size={config.conv_kernel_size}, selector_rank={config.selector_rank}); use "
+                             f"{'DFlash2DraftModel' if config.is_dflash2 else 'DFlashDraftModel'}")
         super().__init__(config)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers)])
         self.fc = nn.Linear(config.num_target_features * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -522,10 +541,20 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """``PreTrainedModel.from_pretrained``, run by the folder's own remote code (see [`_folder_own_class`])."""
+        """``PreTrainedModel.from_pretrained``, run by the folder's own remote code (see [`_folder_own_class`]).
+
+        A DFlash 2 folder (``architectures`` names ``DFlash2DraftModel`` or the config sets the DFlash 2
+        keys) loads as a [`DFlash2DraftModel`] (one info log), strictly: see its ``from_pretrained``.
+        """
         own = _folder_own_class(cls, pretrained_model_name_or_path, kwargs)
         if own is not cls:
             return own.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if not cls._is_dflash2_class and _names_dflash2(cls, pretrained_model_name_or_path, kwargs):
+            import logging
+
+            logging.getLogger(__name__).info("%s is a DFlash 2 drafter: loading it as DFlash2DraftModel",
+                                             pretrained_model_name_or_path)
+            return cls._dflash2_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @functools.wraps(_spec_generate.__func__)  # help() shows the full signature (less ``draft``) and docstring
@@ -555,24 +584,143 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             self._write_custom_generate(save_directory)
 
 
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    """DFlash 2 layer: the DFlash layer with a grouped dynamic causal convolution around each sublayer.
+
+    ``h = x + finish_a(attn(prepare_a(ln1(x))))``, ``out = h + finish_m(mlp(prepare_m(ln2(h))))``: each
+    ``prepare`` takes the NORMED sublayer input (both sides' coefficients come from it) and returns
+    the convolved input for the sublayer; the block's keys/values are taken from that convolved input.
+    Source: z-lab ``dflash/model.py`` ``Qwen3DFlashDecoderLayer.forward`` with ``attention_conv`` /
+    ``mlp_conv`` set by ``DFlash2DraftModel.__init__``; the convolution is in ``dflash2.py``.
+    """
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+        self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+
+    def forward(self, hidden_states, target_hidden, position_embeddings, attention_mask, past_key_values=None):
+        """hidden_states ``(b, q_len, H)``: ONE block per row (the convolution runs over its positions)."""
+        block_input, post = self.attention_conv.prepare(self.input_layernorm(hidden_states))
+        attended = self.self_attn(block_input, target_hidden, position_embeddings, attention_mask, past_key_values)
+        hidden_states = hidden_states + self.attention_conv.finish(attended, post)
+        block_input, post = self.mlp_conv.prepare(self.post_attention_layernorm(hidden_states))
+        return hidden_states + self.mlp_conv.finish(self.mlp(block_input), post)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash 2 drafter: the DFlash backbone with [`DFlash2DecoderLayer`] layers, plus the
+    ``candidate_selector`` that walks the top-k candidates of each mask slot (``dflash2.py``).
+
+    ``forward`` is the DFlash one (final-normed states ``(b, q_len, H)``, the whole block, anchor
+    first; one block per row). [`selector_inputs`] gives the selector's inputs for a drafted block and
+    [`propose`] drafts its tokens and ``q``. Source: z-lab ``dflash/model.py`` ``DFlash2DraftModel``.
+    A fresh model (or missing DFlash 2 weights) is the identity: it drafts greedily exactly as its
+    DFlash 1 backbone.
+
+    Raises:
+        ValueError: the config is not a DFlash 2 one.
+    """
+
+    decoder_layer_class = DFlash2DecoderLayer
+    _is_dflash2_class = True
+    _no_split_modules = ["DFlash2DecoderLayer"]
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.selector_rank,
+                                                    config.selector_top_k, init_std=config.initializer_range)
+        self.post_init()  # initialises the selector only: the backbone is marked initialised already
+
+    def _layer_masks(self, position_ids, q_len, past_len, attention_mask):
+        if isinstance(attention_mask, dict):  # the packed multi-block form of training
+            raise NotImplementedError("packed multi-block inputs are not supported by DFlash2DraftModel: its "
+                                      "convolution runs over the whole q_len, one block per row")
+        return super()._layer_masks(position_ids, q_len, past_len, attention_mask)
+
+    def _init_weights(self, module):
+        """The DFlash init, then the identity for the DFlash 2 parts, leaving loaded parameters alone."""
+        super()._init_weights(module)
+        if isinstance(module, (GroupedDynamicCausalConv, CandidateSelector)):
+            module.reset_to_identity(keep=lambda param: getattr(param, "_is_hf_initialized", False))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, strict: every tensor of the model must be in the folder and
+        every tensor of the folder must be the model's (a missing codebook would otherwise be re-initialised
+        with only a warning). Codebooks stored as ``...codebook.weight`` are read as the published names.
+
+        Raises:
+            ValueError: naming the missing, unexpected or misshapen tensors.
+        """
+        own = _folder_own_class(cls, pretrained_model_name_or_path, kwargs)
+        if own is not cls:
+            return own.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        kwargs.setdefault("key_mapping", dict(CODEBOOK_KEY_MAPPING))
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super(DFlashDraftModel, cls).from_pretrained(pretrained_model_name_or_path, *model_args,
+                                                                   output_loading_info=True, **kwargs)
+        if getattr(model, "_weight_conversions", None):  # transformers 5 would save the renamed keys renamed back
+            model._weight_conversions = []
+        problems = {name: sorted(map(str, info.get(name) or ())) for name in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if any(problems.values()):
+            raise ValueError(f"DFlash 2 checkpoint {pretrained_model_name_or_path!r} does not match the model built from "
+                             f"its config: {', '.join(f'{k} {v}' for k, v in problems.items() if v)}")
+        return (model, info) if wants_info else model
+
+    def selector_inputs(self, hidden_states: torch.Tensor, head):
+        """The selector's inputs for a drafted block.
+
+        Args:
+            hidden_states: ``(B, b, H)`` [`forward`] output for ``[anchor, MASK x (b - 1)]``.
+            head: the target's output head.
+
+        Returns:
+            ``(slot_hidden (B, b - 1, H), logits (B, b - 1, V))``: the mask slots' states and their draft
+            logits ``head(h) * output_multiplier``, soft-capped (``target_families.draft_logits``; z-lab
+            ``compute_logits``). Run per-slot-independent processors on ``logits``, then [`selector_walk`].
+        """
+        slot_hidden = hidden_states[:, 1:]
+        return slot_hidden, draft_logits(self.config, head, slot_hidden)
+
+    def propose(self, hidden_states: torch.Tensor, anchor_ids: torch.Tensor, head, **walk_options) -> SelectorDraft:
+        """Draft a block's tokens: [`selector_inputs`] then ``dflash2.selector_walk`` (``walk_options``:
+        ``do_sample``, ``temperature``, ``generator``, ``top_k``, ``process``). z-lab ``DFlash2DraftModel.propose``."""
+        slot_hidden, logits = self.selector_inputs(hidden_states, head)
+        return selector_walk(self.candidate_selector, slot_hidden, logits, anchor_ids, **walk_options)
+
+
+DFlashDraftModel._dflash2_class = DFlash2DraftModel  # bound here, not looked up at call time (module re-execution)
+
+
+def _names_dflash2(cls, pretrained_model_name_or_path, kwargs) -> bool:
+    """Whether the folder's config (or ``kwargs["config"]``) is a DFlash 2 one: ``architectures`` names
+    ``DFlash2DraftModel``, or a DFlash 2 key is set at top level or in ``dflash_config``."""
+    config = kwargs.get("config")
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        return bool(getattr(config, "is_dflash2", None) or DFlashConfig.names_dflash2(config.to_dict()))
+    hub = {k: kwargs[k] for k in _HUB_KWARGS + ("subfolder",) if kwargs.get(k) is not None}
+    return DFlashConfig.names_dflash2(cls.config_class.get_config_dict(config or pretrained_model_name_or_path, **hub)[0])
+
+
 _REMOTE_CODE_PACKAGE = "transformers_modules."  # where transformers runs trust_remote_code files
 _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "code_revision", "local_files_only")
 
 
 def _folder_own_class(cls, pretrained_model_name_or_path, kwargs):
-    """The ``DFlashDraftModel`` class of the folder's own remote code, or ``cls``.
+    """The draft class of the folder's own remote code, or ``cls``.
 
     transformers 5 maps a remote config class to the first model class loaded for it
     (``AutoModel.register``), so a second folder with the same ``configuration_dflash.py`` but another
-    ``generation_utils.py`` (or the same folder after an edit) would get the first folder's class. When
-    ``cls`` is itself remote code and the folder's config names this class in ``auto_map``, the class is
-    resolved again from the folder with transformers' public ``get_class_from_dynamic_module``
+    ``generation_utils.py`` (or the same folder after an edit, or a DFlash 1 folder after a DFlash 2 one)
+    would get the first folder's class. When ``cls`` is itself remote code and the folder's config names
+    a class of ``modeling_dflash`` in ``auto_map``, that class is resolved again from the folder with transformers' public ``get_class_from_dynamic_module``
     (keyed by the folder's files), so the folder's own code runs. Our class imported directly (from
     the repository or ``dflash_hf``) is never swapped.
     """
     config = kwargs.get("config")
     reference = (getattr(config, "auto_map", None) or {}).get("AutoModel")
-    if not cls.__module__.startswith(_REMOTE_CODE_PACKAGE) or reference != f"modeling_dflash.{cls.__name__}":
+    if not cls.__module__.startswith(_REMOTE_CODE_PACKAGE) or not str(reference).startswith("modeling_dflash."):
         return cls
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
@@ -582,5 +730,7 @@ def _folder_own_class(cls, pretrained_model_name_or_path, kwargs):
 
 DFlashConfig.register_for_auto_class()
 DFlashDraftModel.register_for_auto_class("AutoModel")
+DFlash2DraftModel.register_for_auto_class("AutoModel")
 
-__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig", "draft_block_embedding", "draft_logits"]
+__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig", "draft_block_embedding",
+           "draft_logits", "selector_walk"]

@@ -8,7 +8,7 @@ The one path for every dialect (see ``convert/sources.py`` for the list):
 1. ``config.json`` -> ``DFlashConfig`` (the config class reads every published spelling);
 2. weights -> renamed / dropped through the single key map of ``convert/keymap.py``, then checked
    against the model built from that config: an unmapped or missing key is an error naming it;
-3. ``DFlashDraftModel`` loaded strictly, ``save_pretrained`` into a temporary folder next to the
+3. ``DFlashDraftModel`` (``DFlash2DraftModel`` for DFlash 2) loaded strictly, ``save_pretrained`` into a temporary folder next to the
    output (this writes the project's remote-code files and ``auto_map``; ``--engine-only`` removes
    both for engines that refuse unknown files); the config stays in the published Qwen3 dialect;
 4. verification (on by default): the written folder reloads (with ``AutoModel(trust_remote_code=True)``
@@ -71,8 +71,8 @@ if __name__ == "__main__":  # answer --help and flag errors before the heavy imp
 import torch  # noqa: E402
 
 from . import keymap, sources  # noqa: E402
-from ._project import CUSTOM_GENERATE_FILE, REMOTE_CODE_FILES, DFlashConfig, DFlashDraftModel, capture_target_features, spec_generate  # noqa: E402
-from .engines import engine_commands, is_hub_id  # noqa: E402
+from ._project import CUSTOM_GENERATE_FILE, REMOTE_CODE_FILES, DFlash2DraftModel, DFlashConfig, DFlashDraftModel, capture_target_features, spec_generate  # noqa: E402
+from .engines import DFLASH2_ENGINE_NOTE, engine_commands, is_hub_id  # noqa: E402
 from .errors import ConversionError  # noqa: E402
 
 MAX_SHARD_SIZE = "5GB"
@@ -128,6 +128,9 @@ class ConversionPlan:
             f"{cfg.mask_token_id}, {cfg.num_hidden_layers} layers ({kinds}), hidden {cfg.hidden_size}",
             f"  keys:     {len(self.mapping)} kept, {len(self.renamed)} renamed, {len(self.dropped)} dropped",
         ]
+        if cfg.is_dflash2:
+            lines.insert(4, f"  DFlash 2: convolution {cfg.conv_kernel_size} taps, groups of {cfg.conv_group_size} channels; "
+                            f"selector top-k {cfg.selector_top_k}, rank {cfg.selector_rank}")
         lines += _capped([f"    renamed {old} -> {new}" for old, new in self.renamed.items()])
         lines += _capped([f"    dropped {key} ({why})" for key, why in self.dropped.items()])
         lines += [f"  note:     {note}" for note in self.notes]
@@ -142,6 +145,8 @@ class ConversionPlan:
             lines.append("  verified: " + "; ".join(self.checks))
         commands = self.engine_commands()
         lines += ["  serve with:", f"    vLLM:   {commands['vllm']}", f"    SGLang: {commands['sglang']}"]
+        if cfg.is_dflash2:
+            lines.append(f"    note:   {DFLASH2_ENGINE_NOTE}")
         return "\n".join(lines)
 
 
@@ -173,9 +178,14 @@ def translate_config(config_dict: dict, target_id=None, target_revision=None) ->
         raise ConversionError(f"config.json is not a valid DFlash config: {err}") from err
 
 
+def draft_class(config: DFlashConfig):
+    """``DFlash2DraftModel`` for a DFlash 2 config, else ``DFlashDraftModel``."""
+    return DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel
+
+
 def _meta_draft(config: DFlashConfig) -> DFlashDraftModel:
     with torch.device("meta"):
-        return DFlashDraftModel(config)
+        return draft_class(config)(config)
 
 
 def expected_shapes(config: DFlashConfig) -> dict:
@@ -247,12 +257,13 @@ def _random_draft_inputs(config: DFlashConfig, dtype, seed: int, context_len: in
 def _load_written(folder: str, engine_only: bool):
     """Load the written folder the way users will: AutoModel + remote code, or our class (engine-only)."""
     if engine_only:
-        return DFlashDraftModel.from_pretrained(folder, dtype="auto").eval()
+        return DFlashDraftModel.from_pretrained(folder, dtype="auto").eval()  # a DFlash 2 folder gives DFlash2DraftModel
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype="auto").eval()
-    if type(model).__name__ != "DFlashDraftModel" or type(model).__module__ == DFlashDraftModel.__module__:
-        raise ConversionError(f"AutoModel(trust_remote_code=True) gave {type(model)}, not the folder's own DFlashDraftModel")
+    want = draft_class(model.config).__name__
+    if type(model).__name__ != want or type(model).__module__ == DFlashDraftModel.__module__:
+        raise ConversionError(f"AutoModel(trust_remote_code=True) gave {type(model)}, not the folder's own {want}")
     return model
 
 

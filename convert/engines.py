@@ -3,6 +3,14 @@
 The same folder serves both engines: vLLM counts drafted tokens without the anchor
 (``num_speculative_tokens = block_size - 1``), SGLang counts the whole block
 (``--speculative-num-draft-tokens = block_size``).
+
+A DFlash 2 folder takes the same flags: both engines pick DFlash 2 from the config's
+``architectures: ["DFlash2DraftModel"]`` and build the convolutions and the selector from
+``dflash_config``. vLLM: method ``"dflash"`` (``vllm/config/speculative.py``), model
+``vllm/model_executor/models/qwen3_dflash2.py`` registered for ``DFlash2DraftModel``, the V2 model
+runner forced by ``VllmConfig._is_dflash2_draft`` (vllm-project/vllm PR #52816). SGLang: the DFLASH
+worker with ``DFlash2DraftModel`` in ``python/sglang/srt/models/dflash.py`` ``EntryClass``
+(sgl-project/sglang PR #35371). See [`DFLASH2_ENGINE_NOTE`].
 """
 
 import json
@@ -20,6 +28,12 @@ def is_hub_id(value) -> bool:
     """Whether ``value`` reads as a Hub repo id ``org/name`` and is not an existing local path
     (``pair/target`` from the repository root is a folder, not the Hub repo ``pair/target``)."""
     return bool(value) and bool(_HUB_ID.match(str(value))) and not os.path.exists(value)
+
+
+# What a DFlash 2 folder needs of the engines beyond the flags (printed by the converter).
+DFLASH2_ENGINE_NOTE = ("DFlash 2 (architectures DFlash2DraftModel): same flags; vLLM needs a build with "
+                       "vllm-project/vllm#52816 (it forces the V2 model runner itself), SGLang a build with "
+                       "sgl-project/sglang#35371 (both merged August 2026, after the last tagged releases)")
 
 
 def vllm_num_speculative_tokens(block_size: int) -> int:
@@ -75,4 +89,4 @@ def _quote(value: str) -> str:
     return value if value == TARGET_PLACEHOLDER else shlex.quote(value)
 
 
-__all__ = ["HYBRID_TARGET_TYPES", "TARGET_PLACEHOLDER", "engine_commands", "is_hub_id", "vllm_num_speculative_tokens"]
+__all__ = ["DFLASH2_ENGINE_NOTE", "HYBRID_TARGET_TYPES", "TARGET_PLACEHOLDER", "engine_commands", "is_hub_id", "vllm_num_speculative_tokens"]

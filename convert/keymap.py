@@ -1,7 +1,8 @@
 """The single explicit key map from every supported weight dialect to this project's state dict.
 
 Our state-dict names equal the published z-lab / SpecForge checkpoints (notes section 2): ``fc.weight``,
-``hidden_norm.weight``, ``norm.weight`` and ``layers.{i}.*``, with no ``model.`` prefix, no
+``hidden_norm.weight``, ``norm.weight`` and ``layers.{i}.*`` (DFlash 2 adds ``layers.{i}.{attention,mlp}_conv.*``
+and ``candidate_selector.*``, codebooks without a ``.weight`` suffix), with no ``model.`` prefix, no
 ``embed_tokens`` and no ``lm_head``. So the map is short, and it is the only place where a source
 key may be renamed or dropped; every other key must already be one of the model's own names.
 """
@@ -12,8 +13,11 @@ from .errors import ConversionError
 
 # (pattern, replacement) pairs, tried in order; the first pattern that matches renames the key.
 KEY_RENAMES = (
+    # DFlash 2 codebooks saved by a trainer's nn.Embedding (z-lab's own class loads the published names
+    # into ``.weight`` with key_mapping): the published names have no suffix.
+    (re.compile(r"^(?:model\.)?(candidate_selector\.(?:predecessor|successor)_codebook)\.weight$"), r"\1"),
     # Exports that saved the draft inside a wrapper with `base_model_prefix = "model"`.
-    (re.compile(r"^model\.((?:fc|hidden_norm|norm)\.weight|layers\.\d+\..+)$"), r"\1"),
+    (re.compile(r"^model\.((?:fc|hidden_norm|norm)\.weight|layers\.\d+\..+|candidate_selector\..+)$"), r"\1"),
 )
 
 # Keys that are dropped on purpose, with the reason printed in the conversion plan.
@@ -43,6 +47,11 @@ def rename_key(key: str) -> str:
     return key
 
 
+# Source keys of a dialect that is refused by name (z-lab tests/fixtures/assistant-safetensors-header.json).
+REFUSED_KEY = (re.compile(r"^encoder\.(?:fc|output_norm_enc)\."),
+               "the Muse Glimmer v1 assistant dialect (encoder.fc / encoder.output_norm_enc) is not read here")
+
+
 def map_keys(source_keys) -> tuple[dict, dict]:
     """Map source keys to project keys.
 
@@ -51,10 +60,13 @@ def map_keys(source_keys) -> tuple[dict, dict]:
         ``dropped`` is ``{source_key: reason}``.
 
     Raises:
-        ConversionError: two source keys map to the same project key (both are named).
+        ConversionError: two source keys map to the same project key (both are named), or a key of a
+            dialect refused by name (``REFUSED_KEY``).
     """
     mapping, dropped, seen = {}, {}, {}
     for key in sorted(source_keys):
+        if REFUSED_KEY[0].match(key):
+            raise ConversionError(f"source key {key!r}: {REFUSED_KEY[1]}")
         reason = drop_reason(key)
         if reason is not None:
             dropped[key] = reason
@@ -99,4 +111,4 @@ def check_keys(mapping: dict, source_shapes: dict, expected_shapes: dict) -> Non
                               f"{more}" + ("".join("\n  " + p for p in problems) if more else ""))
 
 
-__all__ = ["DROPPED_KEYS", "KEY_RENAMES", "check_keys", "drop_reason", "map_keys", "rename_key"]
+__all__ = ["DROPPED_KEYS", "KEY_RENAMES", "REFUSED_KEY", "check_keys", "drop_reason", "map_keys", "rename_key"]

@@ -10,13 +10,18 @@ Supported dialects (all read through the one config path, ``DFlashConfig``):
 - ``dflash-hf``: this project's own format (``auto_map`` into ``modeling_dflash``); converting it
   again is a lossless no-op.
 
+Each of them as DFlash (``DFlashDraftModel``) or DFlash 2 (``DFlash2DraftModel``: the DFlash 2 keys
+``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k`` in ``dflash_config``
+or at top level; z-lab ``tests/fixtures/dflash2-config.json``).
+
 Any of them with weights in one ``*.safetensors`` file, in shards listed by
 ``model.safetensors.index.json``, or (only with ``allow_pickle``) in ``pytorch_model.bin`` pickles,
 single or sharded, read with ``torch.load(weights_only=True)``.
 
 Refused with a message saying why: vllm-project/speculators DFlash exports (reduced draft vocabulary
-with ``d2t``/``t2d`` maps), DFlash 2 (``DFlash2DraftModel``: convolutions and a candidate selector the
-draft here does not have), and any config that is not a Qwen3-dialect DFlash draft.
+with ``d2t``/``t2d`` maps), the Muse Glimmer v1 assistant dialect (``MuseGlimmerAssistantModel``,
+``encoder.*`` weight names; z-lab ``tests/fixtures/assistant-config.json``), and any config that is
+not a Qwen3-dialect DFlash draft.
 """
 
 import contextlib
@@ -31,7 +36,7 @@ from .errors import ConversionError
 REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "remote_code_cache.py", "generation_utils.py",
                      "generation_arguments.py", "speculative_sampling.py", "stopping_criteria.py", "decode_step.py",
                      "generation_output.py", "native_routes.py", "custom_generate_template.py", "target_taps.py",
-                     "target_cache.py", "target_families.py", "static_generate.py")
+                     "target_cache.py", "target_families.py", "static_generate.py", "dflash2.py")
 # A single-dot relative import, as transformers reads them (`from .x import ...`, `import .x`).
 _RELATIVE_IMPORT = re.compile(r"^\s*(?:from\s+\.(\w+)\s+import|import\s+\.(\w+))", re.MULTILINE)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -43,7 +48,8 @@ _DOWNLOAD_PATTERNS = ("config.json", "*.safetensors", SAFETENSORS_INDEX)
 _PICKLE_PATTERNS = ("pytorch_model*.bin", PICKLE_INDEX)
 # Config keys of dialects that the DFlash draft here cannot represent.
 _SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators_version")
-_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+_MUSE_GLIMMER_V1 = ("MuseGlimmerAssistantModel", "muse_glimmer_assistant")
 
 
 def remote_code_files(folder: str) -> tuple:
@@ -121,8 +127,8 @@ def detect_dialect(config: dict) -> str:
     """Name the dialect of a source ``config.json``: ``"z-lab"``, ``"specforge"`` or ``"dflash-hf"``.
 
     Raises:
-        ConversionError: a known but unsupported dialect (speculators, DFlash 2) or a config that is
-            not a Qwen3-dialect DFlash draft; the message names the deciding key.
+        ConversionError: a known but unsupported dialect (speculators, Muse Glimmer v1 assistant) or a
+            config that is not a Qwen3-dialect DFlash / DFlash 2 draft; the message names the deciding key.
     """
     architectures = list(config.get("architectures") or [])
     found = [k for k in _SPECULATORS_KEYS if k in config]
@@ -131,17 +137,17 @@ def detect_dialect(config: dict) -> str:
             f"config key {found[0]!r}: vllm-project/speculators DFlash exports are not supported (reduced draft "
             "vocabulary with d2t/t2d maps and aux_hidden_state_layer_ids; the DFlash draft here uses the full target vocabulary)"
         )
-    found = [k for k in _DFLASH2_KEYS if k in config] + [a for a in architectures if a.startswith("DFlash2")]
+    found = [a for a in architectures if a in _MUSE_GLIMMER_V1] + [t for t in [config.get("model_type")] if t in _MUSE_GLIMMER_V1]
     if found:
         raise ConversionError(
-            f"{found[0]!r} marks a DFlash 2 drafter (grouped convolutions and a candidate selector), which this "
-            "project's DFlashDraftModel does not implement"
+            f"{found[0]!r} marks the Muse Glimmer v1 assistant dialect (weights 'encoder.fc' / 'encoder.output_norm_enc', "
+            "config without dflash_config), which is not read here; convert from the published DFlash / DFlash 2 layout"
         )
     model_type = config.get("model_type")
     if model_type != "qwen3":
         raise ConversionError(f"config model_type={model_type!r}: only Qwen3-dialect DFlash drafts (model_type 'qwen3') are supported")
-    if architectures and "DFlashDraftModel" not in architectures:
-        raise ConversionError(f"config architectures={architectures}: not a DFlash draft (expected 'DFlashDraftModel')")
+    if architectures and not set(_DRAFT_ARCHITECTURES) & set(architectures):
+        raise ConversionError(f"config architectures={architectures}: not a DFlash draft (expected one of {list(_DRAFT_ARCHITECTURES)})")
     if not architectures and "dflash_config" not in config:
         raise ConversionError("config has neither architectures ['DFlashDraftModel'] nor dflash_config: not a DFlash draft")
     auto_model = (config.get("auto_map") or {}).get("AutoModel", "")

@@ -199,6 +199,8 @@ def render_model_card(
         num_hidden_layers=config.num_hidden_layers,
         layer_summary=layer_summary,
         hidden_size=config.hidden_size,
+        dflash2={k: getattr(config, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
+        if config.is_dflash2 else None,
         dtype=dtype,
         remote_code=remote_code,
         vllm_command=commands["vllm"],

@@ -12,12 +12,12 @@ import transformers
 
 import generation_utils
 from configuration_dflash import REFUSED_KEYS, DFlashConfig
-from modeling_dflash import DFlashDraftModel
+from modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 from target_families import draft_block_embedding, draft_logits
 from tiny import tiny_draft, tiny_draft_config, tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
-PUBLISHED = sorted(p.name for p in FIXTURES.glob("*.json") if p.name != "dflash2-config.json")
+PUBLISHED = sorted(p.name for p in FIXTURES.glob("*.json") if not p.name.endswith("-header.json"))
 
 
 def _load(name):
@@ -28,7 +28,8 @@ def _save(folder, config):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
-    DFlashDraftModel(DFlashConfig(**{k: v for k, v in config.items()})).save_pretrained(folder)
+    cfg = DFlashConfig(**{k: v for k, v in config.items()})
+    (DFlash2DraftModel if cfg.is_dflash2 else DFlashDraftModel)(cfg).save_pretrained(folder)
     (folder / "config.json").write_text(json.dumps(config))  # the published file, not our re-save
 
 
@@ -48,15 +49,16 @@ def test_published_family_configs_load_without_unknown_keys(name, tmp_path, capl
         assert saved["dflash_config"]["final_logit_softcapping"] == 30.0  # engines read it there
 
 
-def test_dflash2_checkpoint_is_refused_at_load_naming_the_architecture(tmp_path):
-    config = _load("dflash2-config.json")
+def test_muse_glimmer_v1_assistant_is_refused_at_load_naming_the_dialect(tmp_path):
+    """z-lab tests/fixtures/assistant-config.json: architectures MuseGlimmerAssistantModel, model_type
+    muse_glimmer_assistant, weights encoder.fc / encoder.output_norm_enc (DFlash 2 loads: test_dflash2.py)."""
+    config = dict(_load("dflash2-config.json"), architectures=["MuseGlimmerAssistantModel"])
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"DFlash2DraftModel.*DFlash 2 checkpoint.*conv/selector weights"):
+    with pytest.raises(ValueError, match=r"MuseGlimmerAssistantModel.*Muse Glimmer v1 assistant dialect"):
         DFlashDraftModel.from_pretrained(str(tmp_path / "d"))
-    plain = dict(config, architectures=["DFlashDraftModel"])  # the keys alone are refused too
-    with pytest.raises(ValueError, match=r"dflash_config.conv_kernel_size=2 cannot be honoured"):
-        DFlashConfig(**plain)
+    with pytest.raises(ValueError, match=r"model_type='muse_glimmer_assistant'.*Muse Glimmer v1"):
+        DFlashConfig(**dict(config, architectures=None, model_type="muse_glimmer_assistant"))
 
 
 @pytest.mark.parametrize("key, value, match", [
@@ -66,7 +68,6 @@ def test_dflash2_checkpoint_is_refused_at_load_naming_the_architecture(tmp_path)
     ("attention_sink_bias", True, "attention sink biases"),
     ("partial_rotary_factor", 0.5, "partial rotary"),
     ("use_swa", True, "use_swa"),
-    ("selector_top_k", 16, "DFlash 2"),
 ])
 @pytest.mark.parametrize("nested", [False, True])
 def test_unhonourable_keys_are_refused_naming_the_key(key, value, match, nested):

@@ -24,7 +24,7 @@ from convert_fixtures import (
 )
 from tiny import tiny_target
 
-CODE_FILES = ["configuration_dflash.py", "custom_generate/generate.py", "custom_generate_template.py", "decode_step.py",
+CODE_FILES = ["configuration_dflash.py", "custom_generate/generate.py", "custom_generate_template.py", "decode_step.py", "dflash2.py",
               "generation_arguments.py", "generation_output.py", "generation_utils.py", "modeling_dflash.py",
               "native_routes.py", "remote_code_cache.py", "speculative_sampling.py", "static_generate.py",
               "stopping_criteria.py", "target_cache.py", "target_families.py", "target_taps.py"]
@@ -166,8 +166,8 @@ def test_index_listing_a_key_no_shard_has_fails(tmp_path):
     "overrides, reason",
     [
         ({"speculators_model_type": "dflash"}, "speculators"),
-        ({"architectures": ["DFlash2DraftModel"]}, "DFlash 2"),
-        ({"conv_kernel_size": 4}, "DFlash 2"),
+        ({"architectures": ["MuseGlimmerAssistantModel"]}, "Muse Glimmer v1 assistant"),
+        ({"model_type": "muse_glimmer_assistant"}, "Muse Glimmer v1 assistant"),
         ({"model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"]}, "model_type='llama'"),
         ({"architectures": ["Qwen3ForCausalLM"]}, "not a DFlash draft"),
     ],

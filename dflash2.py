@@ -1,0 +1,297 @@
+"""DFlash 2 parts: the grouped dynamic causal convolution and the low-rank candidate selector.
+
+DFlash 2 ("Keep Drafting Parallel", Inco AI, Aug 2026) is the DFlash drafter plus two parts, both
+switched on by the checkpoint (``dflash_config.conv_*`` / ``selector_*``):
+
+- a grouped dynamic causal convolution over the positions of the current block, before and after
+  every attention and every MLP sublayer ([`GroupedDynamicCausalConv`]);
+- a candidate selector that keeps the top-k tokens of each mask slot's draft logits and walks them
+  left to right from the anchor, adding a low-rank bilinear term of the previous token, the slot's
+  draft state and the candidate ([`CandidateSelector`], [`selector_walk`]).
+
+Source of truth: z-lab/dflash ``dflash/model.py`` (``_grouped_dynamic_convolve``,
+``GroupedDynamicCausalConv``, ``CandidateSelector.select``, ``DFlash2DraftModel.propose``), newer than
+its release tag; cross-checked with SpecForge ``specforge/modeling/draft/dflash2.py``, SGLang
+``python/sglang/srt/models/dflash.py`` (PR #35371) and vLLM
+``vllm/model_executor/models/qwen3_dflash2.py`` (PR #52816). The order of every floating-point
+operation follows z-lab's, so fp32 drafts on identical weights are identical to theirs.
+
+This module imports only torch: ``modeling_dflash.py`` imports it, never the reverse.
+"""
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Signature of a per-slot logits processor: ``(slot, drafted (B, slot), logits (B, V)) -> logits (B, V)``.
+SlotProcessor = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# ``from_pretrained(key_mapping=...)``: the codebooks under a trainer's ``nn.Embedding`` spelling
+# (``.weight`` suffix) read as the published names (z-lab's own class maps the other way).
+CODEBOOK_KEY_MAPPING = {r"^candidate_selector\.(predecessor|successor)_codebook\.weight$": r"candidate_selector.\1_codebook"}
+
+
+# ----------------------------------------------------------------------------- the convolution
+
+
+def _shift(x: torch.Tensor, offset: int) -> torch.Tensor:
+    """``x`` ``(B, L, ...)`` moved ``offset`` positions later along dim 1, zeros before the block start."""
+    if offset == 0:
+        return x
+    shifted = torch.zeros_like(x)
+    if offset < x.shape[1]:
+        shifted[:, offset:] = x[:, : x.shape[1] - offset]
+    return shifted
+
+
+def grouped_dynamic_causal_conv(hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor,
+                                group_size: int) -> torch.Tensor:
+    """One side of the DFlash 2 convolution over the positions of one block.
+
+    ``out[t, c] = sum_o (base[o, c] + dynamic[t, o, c // group_size]) * hidden[t - o, c]``, with
+    ``hidden[t - o] = 0`` before the block start (position 0, the anchor, sees only itself). The sum
+    runs tap by tap, each tap adding ``base * x`` and then ``dynamic * x`` (``addcmul``): the
+    operation order of z-lab ``_grouped_dynamic_convolve``, so fp32 results are bit-identical.
+
+    Args:
+        hidden: ``(B, L, H)`` the block (anchor first), any float dtype.
+        dynamic: ``(B, L, K, H // group_size)`` per-position tap coefficients of each channel group.
+        base: ``(K, H)`` static taps of this side.
+        group_size: channels per group; divides ``H``.
+
+    Returns:
+        ``(B, L, H)`` in ``hidden``'s dtype.
+    """
+    batch, length, hidden_size = hidden.shape
+    taps, groups = base.shape[0], hidden_size // group_size
+    x = hidden.view(batch, length, groups, group_size)  # (B, L, G, C)
+    coefficients = dynamic.reshape(batch, length, taps, groups, 1)  # (B, L, K, G, 1)
+    out = torch.zeros_like(x)
+    for offset in range(taps):
+        earlier = _shift(x, offset)  # x[t - offset]
+        out = out + base[offset].view(1, 1, groups, group_size).to(hidden.dtype) * earlier
+        out = torch.addcmul(out, coefficients[:, :, offset], earlier)
+    return out.view_as(hidden)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """The convolution wrapped around one sublayer: ``prepare`` before it, ``finish`` after it.
+
+    Both sides' coefficients come from ONE projection of the sublayer's normed input ``u``:
+    ``D = kernel_projection(u).view(B, L, 2, K, G)`` (side, tap, group); ``prepare(u)`` returns
+    ``conv(u, D[:, :, 0], base_kernel[0])`` (the sublayer's input) and ``D[:, :, 1]``;
+    ``finish(y, D1) = conv(y, D1, base_kernel[1])`` on the sublayer's output ``y``. Source: z-lab
+    ``GroupedDynamicCausalConv.prepare`` / ``finish``.
+
+    Parameters (published names): ``base_kernel`` ``(2, K, H)``, ``kernel_projection.weight``
+    ``(2 * K * H / group_size, H)``, no bias. They are built as the identity (tap 0 of both sides 1,
+    every other tap and the projection 0), so a fresh module passes its input through unchanged (the
+    reference leaves ``base_kernel`` as uninitialised memory).
+
+    Raises:
+        ValueError: ``group_size`` does not divide ``hidden_size``, or a size below 1.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        if kernel_size < 1 or group_size < 1 or hidden_size % group_size:
+            raise ValueError(f"conv_group_size={group_size} must divide hidden_size={hidden_size} and "
+                             f"conv_kernel_size={kernel_size} must be >= 1")
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.num_groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
+        self.reset_to_identity()
+
+    @torch.no_grad()
+    def reset_to_identity(self, keep: Callable[[nn.Parameter], bool] = lambda p: False) -> None:
+        """Set the identity: ``base_kernel[:, 0] = 1``, other taps 0, ``kernel_projection`` 0.
+        A parameter for which ``keep(param)`` is True (e.g. one loaded from a checkpoint) is left alone."""
+        if not keep(self.base_kernel):
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+        if not keep(self.kernel_projection.weight):
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, hidden: torch.Tensor):
+        """``hidden`` ``(B, L, H)`` normed sublayer input -> (convolved input ``(B, L, H)``, output-side
+        coefficients ``(B, L, K, G)``)."""
+        dynamic = self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.kernel_size, self.num_groups)
+        convolved = grouped_dynamic_causal_conv(hidden, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size)
+        return convolved, dynamic[..., 1, :, :]
+
+    def finish(self, hidden: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``(B, L, H)`` sublayer output, ``dynamic`` from [`prepare`] -> ``(B, L, H)``."""
+        return grouped_dynamic_causal_conv(hidden, dynamic, self.base_kernel[1], self.group_size)
+
+
+# ----------------------------------------------------------------------------- the selector
+
+
+class CandidateSelector(nn.Module):
+    """Low-rank scorer of a candidate given the previous chosen token (z-lab ``CandidateSelector``).
+
+    ``score(prev, c) = unary[c] + <predecessor_codebook[prev] * hidden_projection(h), successor_codebook[c]>``
+    for the ``top_k`` candidates of a slot, ``h`` the slot's final draft state.
+
+    Parameters (published names, no ``.weight`` suffix on the codebooks):
+    ``hidden_projection.weight`` ``(r, H)``, ``predecessor_codebook`` ``(V, r)``,
+    ``successor_codebook`` ``(V, r)``. Built with ``successor_codebook = 0`` (every bilinear term
+    vanishes: the walk is the per-slot argmax of the unary logits, i.e. DFlash 1 greedy drafts),
+    the predecessor codebook and the projection normal with std ``init_std``.
+
+    Raises:
+        ValueError: ``rank < 1``, or ``top_k`` outside ``[1, vocab_size]``.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int, init_std: float = 0.02):
+        super().__init__()
+        if rank < 1 or not 1 <= top_k <= vocab_size:
+            raise ValueError(f"selector_rank={rank} must be >= 1 and selector_top_k={top_k} in [1, vocab_size={vocab_size}]")
+        self.top_k = top_k
+        self.init_std = init_std
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.reset_to_identity()
+        self._register_load_state_dict_pre_hook(_read_embedding_spelling)
+
+    @torch.no_grad()
+    def reset_to_identity(self, keep: Callable[[nn.Parameter], bool] = lambda p: False) -> None:
+        """``successor_codebook = 0``; predecessor codebook and projection normal(0, ``init_std``).
+        A parameter for which ``keep(param)`` is True is left alone."""
+        if not keep(self.successor_codebook):
+            self.successor_codebook.zero_()
+        for param in (self.predecessor_codebook, self.hidden_projection.weight):
+            if not keep(param):
+                param.normal_(mean=0.0, std=self.init_std)
+
+    def candidates(self, logits: torch.Tensor, top_k: Optional[int] = None):
+        """``logits`` ``(..., V)`` -> ``(unary (..., k), candidate ids (..., k))``: ``torch.topk`` with
+        ``sorted=False`` as z-lab, so the candidate order (which decides argmax ties) is the same."""
+        return torch.topk(logits, top_k or self.top_k, dim=-1, sorted=False)
+
+    def score(self, unary: torch.Tensor, candidates: torch.Tensor, projected: torch.Tensor,
+              previous: torch.Tensor) -> torch.Tensor:
+        """Scores ``(B, k)`` of one slot's candidates.
+
+        Args:
+            unary: ``(B, k)`` the candidates' draft logits; ``candidates``: ``(B, k)`` their ids.
+            projected: ``(B, r)`` ``hidden_projection`` of the slot's draft state.
+            previous: ``(B,)`` id of the token chosen at the previous slot (the anchor for slot 0).
+        """
+        context = F.embedding(previous, self.predecessor_codebook) * projected  # (B, r)
+        return unary + torch.einsum("br,bkr->bk", context, F.embedding(candidates, self.successor_codebook))
+
+
+def _read_embedding_spelling(state_dict, prefix, *args) -> None:
+    """``load_state_dict`` reads ``{prefix}predecessor_codebook.weight`` (an ``nn.Embedding``'s name, as
+    in z-lab's class) as the published ``{prefix}predecessor_codebook``; the same for the successor."""
+    for name in ("predecessor_codebook", "successor_codebook"):
+        spelled = f"{prefix}{name}.weight"
+        if spelled in state_dict and f"{prefix}{name}" not in state_dict:
+            state_dict[f"{prefix}{name}"] = state_dict.pop(spelled)
+
+
+class SelectorDraft(NamedTuple):
+    """What [`selector_walk`] drafts for one block.
+
+    ``tokens`` ``(B, n)`` long: the chosen token of each mask slot. ``q`` ``(B, n, V)`` float32: the
+    distribution each token was drawn from (softmax over the slot's k candidates of score / T given the
+    chosen predecessor, zero elsewhere; one-hot when greedy): the ``q`` of the rejection test.
+    ``candidates`` ``(B, n, k)`` long and ``candidate_q`` ``(B, n, k)`` float32: the same rows over the
+    candidates only (z-lab's ``q_rows``; one-hot when greedy).
+    """
+
+    tokens: torch.Tensor
+    q: torch.Tensor
+    candidates: torch.Tensor
+    candidate_q: torch.Tensor
+
+
+def selector_walk(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
+                  *, do_sample: bool = False, temperature: float = 1.0, generator: Optional[torch.Generator] = None,
+                  top_k: Optional[int] = None, process: Optional[SlotProcessor] = None) -> SelectorDraft:
+    """Walk a block's mask slots left to right from the anchor, choosing one candidate per slot.
+
+    Slot ``j`` keeps the top-k of its logits, scores each candidate with [`CandidateSelector.score`]
+    given the token chosen at slot ``j - 1`` (the anchor for slot 0), and takes the argmax (greedy) or
+    draws from ``softmax(scores / temperature)`` (``torch.multinomial`` with ``generator``; the global
+    RNG when None, as z-lab). Source: z-lab ``CandidateSelector.select`` and ``DFlash2DraftModel.propose``.
+
+    Args:
+        selector: the drafter's ``candidate_selector``.
+        hidden: ``(B, n, H)`` final draft states of the mask slots (the block without its anchor).
+        logits: ``(B, n, V)`` the slots' draft logits, already transformed as the drafter's logits are
+            (``output_multiplier``, soft cap: ``target_families.draft_logits``), and already through
+            every logits processor that does not depend on the drafted prefix.
+        anchor_ids: ``(B,)`` (or ``(B, 1)``) the block's anchor token: the predecessor of slot 0.
+        do_sample: draw (True) or take the argmax (False; ``q`` one-hot).
+        temperature: generate's temperature ``T > 0``, used when ``do_sample``.
+        generator: RNG of the draws.
+        top_k: candidates per slot (default ``selector.top_k``).
+        process: per-slot processor ``process(j, drafted, logits_j) -> logits_j`` with ``drafted``
+            ``(B, j)`` the tokens chosen at slots ``0..j-1`` (the caller's prefix is its committed
+            sequence, ending with the anchor, followed by ``drafted``) and ``logits_j`` ``(B, V)``;
+            applied to the full-vocabulary logits before the top-k. None: one batched top-k over all
+            slots (z-lab's computation exactly).
+
+    Returns:
+        A [`SelectorDraft`].
+
+    Raises:
+        ValueError: mismatched shapes, ``top_k`` outside ``[1, V]``, or ``do_sample`` with ``temperature <= 0``.
+    """
+    anchor_ids = anchor_ids.reshape(-1)
+    _check_walk(hidden, logits, anchor_ids, do_sample, temperature, top_k or selector.top_k)
+    projected = selector.hidden_projection(hidden)  # (B, n, r)
+    batched = selector.candidates(logits, top_k) if process is None else None
+    previous = anchor_ids
+    chosen, candidate_rows, q_rows = [], [], []
+    for slot in range(hidden.shape[1]):
+        if batched is not None:
+            unary, candidates = batched[0][:, slot], batched[1][:, slot]
+        else:
+            drafted = torch.stack(chosen, dim=1) if chosen else anchor_ids.new_zeros(anchor_ids.shape[0], 0)
+            unary, candidates = selector.candidates(process(slot, drafted, logits[:, slot]), top_k)
+        scores = selector.score(unary, candidates, projected[:, slot], previous)  # (B, k)
+        if do_sample:
+            q = torch.softmax(scores.float() / temperature, dim=-1)
+            index = torch.multinomial(q, 1, generator=generator)[:, 0]
+        else:
+            index = torch.argmax(scores, dim=-1)
+            q = F.one_hot(index, scores.shape[-1]).float()
+        previous = candidates.gather(-1, index[:, None])[:, 0]
+        chosen.append(previous)
+        candidate_rows.append(candidates)
+        q_rows.append(q)
+    tokens = torch.stack(chosen, dim=1) if chosen else anchor_ids.new_zeros(anchor_ids.shape[0], 0)
+    candidates = _stack(candidate_rows, logits, top_k or selector.top_k, torch.long)
+    candidate_q = _stack(q_rows, logits, top_k or selector.top_k, torch.float32)
+    q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, candidates, candidate_q)
+    return SelectorDraft(tokens, q, candidates, candidate_q)
+
+
+def _stack(rows: list, logits: torch.Tensor, k: int, dtype) -> torch.Tensor:
+    """``(B, n, k)`` from n rows ``(B, k)`` (an empty ``(B, 0, k)`` for a block without mask slots)."""
+    if rows:
+        return torch.stack(rows, dim=1)
+    return torch.zeros(logits.shape[0], 0, k, dtype=dtype, device=logits.device)
+
+
+def _check_walk(hidden, logits, anchor_ids, do_sample, temperature, k) -> None:
+    if hidden.dim() != 3 or logits.dim() != 3 or hidden.shape[:2] != logits.shape[:2]:
+        raise ValueError(f"selector_walk needs hidden (B, n, H) and logits (B, n, V) with the same B and n, got "
+                         f"hidden {tuple(hidden.shape)} and logits {tuple(logits.shape)}")
+    if anchor_ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"anchor_ids has {anchor_ids.shape[0]} rows but logits has {logits.shape[0]}")
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"top_k={k} must be in [1, vocab size {logits.shape[-1]}]")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"sampling needs temperature > 0, got {temperature!r}")
+
+
+__all__ = ["CODEBOOK_KEY_MAPPING", "CandidateSelector", "GroupedDynamicCausalConv", "SelectorDraft", "SlotProcessor",
+           "grouped_dynamic_causal_conv", "selector_walk"]
