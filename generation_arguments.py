@@ -77,7 +77,7 @@ NO_EFFECT_KEYS = {
                             "allocates no static cache",
     "cache_config": "see cache_implementation",
     "max_cache_len": "see cache_implementation",
-    "return_legacy_cache": "the output holds no cache",
+    "return_legacy_cache": "the output holds the cache object (batch 1, cache_reuse.py), never a legacy tuple",
     "prefill_chunk_size": "the prompt is prefilled in one pass",
     "compile_config": "with cache_implementation='static' the draft and verify forwards are compiled with it; "
                       "no effect on the dynamic loop",

@@ -29,8 +29,10 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
             batch, a row's entries after its last token are NaN (generate would hold scores of pad steps).
         logits: with ``output_logits=True``: the same for the raw target logits.
         attentions, hidden_states: always None (refused: the target runs on blocks).
-        cache / past_key_values (the name follows the installed version): always None: the caches hold
-            rejected slots and holes of other rows, so they cannot be resumed from.
+        cache / past_key_values (the name follows the installed version): batch 1, the target's cache holding
+            every token of ``sequences`` but the last (as generate's), with the draft's context attached, to pass
+            back as ``cache=`` / ``past_key_values=`` (``cache_reuse.py``); None for batches (the loop's cache
+            holds rejected slots and holes of other rows) and for the static loop.
 
     Speculative statistics (one definition, read by README, demo and benchmarks):
         acceptance_lengths: tokens each verify step committed, bonus included, all rows in row order.

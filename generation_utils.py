@@ -20,11 +20,12 @@ import inspect
 from typing import Optional
 
 import torch
-from transformers import CompileConfig, DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import CompileConfig, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 # The modules below hold the pieces; this one holds the public entry and the loops that orchestrate them.
 # Every name of this module's `__all__` before the split stays importable from here.
 try:
+    from .cache_reuse import Resume, check_passed_cache, pop_passed_cache
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
     from .decode_step import _prefill_commit, _sync, crop_cache, next_block_size
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
@@ -35,10 +36,11 @@ try:
     from .speculative_sampling import _History, _Sampling, speculative_verify
     from .static_generate import log_fallback, static_decode, static_unsupported_reason
     from .stopping_criteria import _Scores, _Stops
-    from .target_cache import new_target_cache, restore_linear_states
+    from .target_cache import restore_linear_states
     from .target_families import FAMILY as _families
     from .target_taps import capture_target_features
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from cache_reuse import Resume, check_passed_cache, pop_passed_cache
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
     from decode_step import _prefill_commit, _sync, crop_cache, next_block_size
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
@@ -49,7 +51,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from speculative_sampling import _History, _Sampling, speculative_verify
     from static_generate import log_fallback, static_decode, static_unsupported_reason
     from stopping_criteria import _Scores, _Stops
-    from target_cache import new_target_cache, restore_linear_states
+    from target_cache import restore_linear_states
     from target_families import FAMILY as _families
     from target_taps import capture_target_features
 
@@ -160,6 +162,12 @@ def spec_generate(
             are ordinary tensors either way; pass False when tensors made during the call must be
             usable by autograd afterwards (e.g. features kept by the caller's own forward hooks).
         mask_token_id: override of ``draft.config.mask_token_id``.
+        cache / past_key_values (keywords; ``cache=`` on transformers >= 5 only, as in generate): a
+            ``DynamicCache`` holding the first tokens of ``input_ids`` (batch 1, no padding): only the rest is
+            prefilled. It is advanced in place, as generate does (``copy.deepcopy`` it to reuse it, e.g. a
+            system prompt for several conversations) and returned in the output's ``cache`` /
+            ``past_key_values`` field; one that spec_generate returned also carries the draft's context
+            (``cache_reuse.py``).
 
     ``max_time`` is checked once per verify step, after the commit: the call returns within
     ``max_time`` plus one step, and the output is a prefix of the unlimited output.
@@ -169,7 +177,8 @@ def spec_generate(
         given, then each row's new tokens, right padded with the pad token (the merged config's
         ``pad_token_id``, else the first eos, else 0) up to the longest row. Cut by length, never by
         value: tokens equal to ``mask_token_id`` are kept. Or, with ``return_dict_in_generate``, a
-        [`DFlashGenerateOutput`] (a ``GenerateDecoderOnlyOutput`` with tau and per-slot acceptance).
+        [`DFlashGenerateOutput`] (a ``GenerateDecoderOnlyOutput`` with tau and per-slot acceptance, and at
+        batch 1 the target's cache to continue from).
 
     Batches: every row keeps its own true positions (``cumsum(attention_mask) - 1``) and accepts its
     own number of tokens per step. Rows share one KV cache per model; slots a row does not own
@@ -186,7 +195,8 @@ def spec_generate(
     Raises:
         TypeError: a keyword that is neither a ``GenerationConfig`` field nor an argument here.
         ValueError: bad input (ids, mask, non-integer ``block_size``/``max_new_tokens``, sampling
-            values out of range) or a draft not built for this target, before any forward pass.
+            values out of range) or a draft not built for this target, before any forward pass; a passed
+            cache with a batch, a padded prompt, as many tokens as ``input_ids``, or the static loop.
         NotImplementedError: options that cannot be exact here (``REFUSED_KEYS``: beam search, DoLa,
             contrastive search, guidance, other speculative methods, attentions/hidden states,
             token healing), recurrent-state targets outside ``target_cache.HYBRID_FAMILIES`` (or on a
@@ -210,6 +220,7 @@ def spec_generate(
     passed = dict(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, top_k=top_k,
                   top_p=top_p, min_p=min_p, return_dict_in_generate=return_dict_in_generate,
                   output_scores=output_scores, output_logits=output_logits)
+    passed_cache = pop_passed_cache(kwargs)  # cache= / past_key_values=: continue from it (cache_reuse.py)
     static = _static_request(kwargs, generation_config, target)  # before generate is told cache_implementation=None
     gen_kwargs = _generate_kwargs(passed, kwargs, stop_token_ids, generation_config, target)
     if generation_config is not None:
@@ -226,7 +237,7 @@ def spec_generate(
         return _spec_loop(draft, target, ids, mask, config, processors, stops, block_size=block_size,
                           mask_token_id=mask_token_id, generator=generator, sample_draft=sample_draft,
                           streamer=streamer, output_timings=output_timings, static=static,
-                          adaptive=adaptive_block_size, inference_mode=inference_mode)
+                          adaptive=adaptive_block_size, inference_mode=inference_mode, passed_cache=passed_cache)
 
     if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
         if streamer is not None:
@@ -243,7 +254,8 @@ def spec_generate(
 
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
-               generator, sample_draft, streamer, output_timings, static=None, adaptive=False, inference_mode=True):
+               generator, sample_draft, streamer, output_timings, static=None, adaptive=False, inference_mode=True,
+               passed_cache=None):
     """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``."""
     _check_refused(config)
     bsz = input_ids.shape[0]
@@ -252,6 +264,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     device = _families.execution_device(target, input_ids)
     input_ids = input_ids.to(device)
     mask = torch.ones_like(input_ids) if mask is None else mask.to(device=device, dtype=torch.long)
+    check_passed_cache(passed_cache, input_ids, mask, target, static)
     stops = _Stops(criteria, input_ids.shape[1])
     budget = stops.budget if stops.budget is not None else 1 << 40
     rope_switch = _families.check_rope(target, input_ids.shape[1], budget, bsz, not bool(mask.all()))
@@ -277,7 +290,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
         else:
             with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
-                        run, adaptive, rope_switch)
+                        run, adaptive, rope_switch, passed_cache)
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
         streamer.end()
@@ -396,13 +409,15 @@ def _drop_finished(rows, done: list, caches, device) -> bool:
 
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
-            run, adaptive=False, rope_switch=None):
+            run, adaptive=False, rope_switch=None, passed_cache=None):
     """The speculative loop; fills ``run.out`` / ``run.chunks`` in place. ``rope_switch``: the longrope
-    switch this call crosses (``target_families.check_rope``), else None."""
+    switch this call crosses (``target_families.check_rope``), else None. ``passed_cache``: a target cache
+    holding the first tokens of ``input_ids`` (batch 1), continued in place (``cache_reuse.Resume``)."""
     device, bsz, out = input_ids.device, input_ids.shape[0], run.out
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     cache_kw = _cache_kwarg(target)
-    target_cache, draft_cache = new_target_cache(target), DynamicCache()
+    resume = Resume(target, draft, passed_cache, bsz, rope_switch)  # the caches; the cached length n
+    target_cache, draft_cache, n, draft = resume.target_cache, resume.draft_cache, resume.cached, resume.draft(draft)
     budget = run.stops.budget
     t0 = _sync(device) if output_timings else None
 
@@ -411,13 +426,13 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
     positions = (prompt_mask.cumsum(1) - 1).clamp_min(0)  # true positions under left padding
     windows = _families.layer_windows(target)
     extra = _families.prefill_kwargs(target, _forward_params(target))
-    logits = _forward_target(target, cache_kw, target_cache, input_ids, positions,
+    logits = _forward_target(target, cache_kw, target_cache, input_ids[:, n:], positions[:, n:],
                              prompt_mask[:, :0] if holes else None, windows, prompt_mask, record=False, **extra)
     first, scores = sampling.first(logits[:, -1], input_ids)
     out.num_target_forwards, out.num_draft_forwards = 1, 0
     rows = _Rows(ids=torch.arange(bsz, device=device), anchor=first[:, None], start=prompt_mask.sum(1),
                  n_new=torch.ones(bsz, dtype=torch.long, device=device), target_valid=prompt_mask if holes else None,
-                 draft_valid=None, ctx=_Context(features(), positions, prompt_mask if holes else None),
+                 draft_valid=None, ctx=resume.context(_Context(features(), positions[:, n:], prompt_mask if holes else None)),
                  host_ids=list(range(bsz)), host_new=[1] * bsz, holes=holes)
     finished = _prefill_commit(run, first, scores, logits[:, -1])
     t1 = _sync(device) if output_timings else None
@@ -445,6 +460,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor
         new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
         counts, finished = _commit(run, rows, accepted, b - 1, new, scores, logits)
+        committed, counts = resume.kept(run, committed, counts, finished)  # a returned cache ends at the output
         if run.stops.timed_out():  # max_time: once per verify step, after the commit
             finished = [True] * len(finished)
 
@@ -461,6 +477,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         rows.start, rows.n_new, rows.anchor = rows.start + committed, rows.n_new + committed, next_token[:, None]
         rows.host_new = [n + c for n, c in zip(rows.host_new, counts)]
 
+    resume.finish(out, rows, draft_cache)
     if output_timings:
         t2 = _sync(device)
         out["timings"] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0,

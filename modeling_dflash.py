@@ -33,6 +33,7 @@ if __package__:
 # single-dot relative import: transformers 4.57 copies only the modeling file's direct relative
 # imports of a local folder into its module cache (tests/test_remote_code.py checks this).
 try:
+    from .cache_reuse import DraftContext  # noqa: F401
     from .configuration_dflash import DFlashConfig
     from .custom_generate_template import generate as _custom_generate  # noqa: F401
     from .decode_step import crop_cache  # noqa: F401
@@ -49,6 +50,7 @@ try:
     from .target_families import draft_block_embedding, draft_logits
     from .target_taps import capture_target_features  # noqa: F401
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from cache_reuse import DraftContext  # noqa: F401
     from configuration_dflash import DFlashConfig
     from custom_generate_template import generate as _custom_generate  # noqa: F401
     from decode_step import crop_cache  # noqa: F401

@@ -33,7 +33,7 @@ def test_readme_blocks_run_on_tiny_models(hub, capsys):
     from modeling_dflash import native_dflash_available
 
     blocks = readme_blocks()
-    assert set(blocks) == {"pair", "usage", "native", "custom_generate", "batch"}
+    assert set(blocks) == {"pair", "usage", "native", "custom_generate", "batch", "chat"}
     namespace, calls, expected = {}, [], None
     for name in ("usage", "native", "custom_generate", "batch"):
         code = blocks[name]
@@ -71,3 +71,13 @@ def test_readme_pair_block_runs_on_the_shipped_pair(monkeypatch, capsys):
     expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64)
     assert namespace["out"].sequences.tolist() == expected.tolist()
     assert "tau =" in capsys.readouterr().out
+
+
+def test_readme_chat_block_continues_from_the_cache_on_the_shipped_pair(monkeypatch, capsys):
+    """The two-turn chat runs as written on the shipped pair, on both versions: identical replies (asserted in
+    the block), and turn 2 with reuse prefills only what follows turn 1's cache."""
+    monkeypatch.chdir(README.parent)
+    exec(compile(readme_blocks()["chat"], "README:chat", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "reuse=False turn 2: 104 tokens in, prefill computed 104," in printed
+    assert "reuse=True turn 2: 104 tokens in, prefill computed 20," in printed
