@@ -84,6 +84,9 @@ def check_tap(layer_id: int, state: torch.Tensor, batch: int, length: int) -> to
 def concat_taps(store: dict, layer_ids, device=None) -> torch.Tensor:
     """``(B, T, len(layer_ids) * H)``: the taps of ``store`` (layer id -> state, ``"shape"`` -> the
     forward's ``(B, T)``) checked with [`check_tap`], moved to ``device``, concatenated in order."""
+    if "shape" not in store:
+        raise RuntimeError("no target forward was tapped inside capture_target_features: on a compiled target "
+                           "(taps read from the forward's hidden states) call it through target_taps.run_target")
     batch, length = store["shape"]
     taps = [check_tap(k, store[k], batch, length) for k in layer_ids]
     return torch.cat([t if device is None else t.to(device) for t in taps], dim=-1)
