@@ -19,12 +19,14 @@ try:
     from .stopping_criteria import _Scores, _Stops
     from .target_cache import recording
     from .target_families import FAMILY as _families
+    from .target_taps import run_target
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from generation_output import DFlashGenerateOutput
     from speculative_sampling import _History
     from stopping_criteria import _Scores, _Stops
     from target_cache import recording
     from target_families import FAMILY as _families
+    from target_taps import run_target
 
 
 def crop_cache(cache, length: int) -> None:
@@ -189,8 +191,8 @@ def _forward_target(target, cache_kw, cache, tokens, positions, valid, windows, 
         tokens_valid = torch.ones_like(tokens) if tokens_valid is None else tokens_valid
         mask = _families.target_mask(target, windows, tokens_valid, positions, valid)
     with recording(cache) if record else contextlib.nullcontext():  # hybrid: snapshot + mixer inputs
-        return target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                      **extra, **{cache_kw: cache}).logits
+        return run_target(target, input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                          **extra, **{cache_kw: cache}).logits  # run_target: taps of a compiled target
 
 
 def next_block_size(block_size: int, longest: int, adaptive: bool) -> int:

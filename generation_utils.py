@@ -267,7 +267,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     check_passed_cache(passed_cache, input_ids, mask, target, static)
     stops = _Stops(criteria, input_ids.shape[1])
     budget = stops.budget if stops.budget is not None else 1 << 40
-    rope_switch = _families.check_rope(target, input_ids.shape[1], budget, bsz, not bool(mask.all()))
+    rope_switch = _families.check_rope(target, int(mask.sum(1).max()), budget, bsz, not bool(mask.all()))
     want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
     return_dict = bool(config.return_dict_in_generate)
     sampling = _Sampling(processors if processors is not None else LogitsProcessorList(), bool(config.do_sample),
@@ -283,7 +283,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     recorder = _Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
                recorder=recorder)
-    static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch)
+    static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch, block_size)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py
             static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run)
@@ -321,11 +321,12 @@ def _static_request(kwargs, generation_config, target):
     return True, compile_config
 
 
-def _static_loop(static, target, input_ids, mask, run, rope_switch=None):
+def _static_loop(static, target, input_ids, mask, run, rope_switch=None, block_size=1):
     """``static_generate.static_decode`` (``compile_config`` bound) when the static loop was asked for
     and applies to this call, else None: the dynamic loop, with one info log saying why (also for a
     call crossing a longrope switch, ``rope_switch`` from ``target_families.check_rope``: only the
-    dynamic loop re-prefills there)."""
+    dynamic loop re-prefills there, and for a call whose full blocks would pass a RoPE switch:
+    ``target_families.static_rope_reason``)."""
     if static is None:
         return None
     reason = static_unsupported_reason(target, input_ids, mask)
@@ -333,6 +334,8 @@ def _static_loop(static, target, input_ids, mask, run, rope_switch=None):
         reason = "prefix-dependent processors, custom stopping criteria and output_scores/logits are dynamic-only"
     if reason is None and rope_switch is not None:
         reason = f"crossing the longrope switch (sequence length {rope_switch + 1}) re-prefills, which is dynamic-only"
+    if reason is None:  # a full last block past a RoPE switch generate never reaches
+        reason = _families.static_rope_reason(target, input_ids.shape[1], run.stops.budget or 1 << 40, block_size)
     if reason is not None:
         log_fallback(reason)
         return None
@@ -438,11 +441,12 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
     t1 = _sync(device) if output_timings else None
     offsets = torch.arange(block_size, device=device)  # (block_size,) slot offsets, built once
     next_b = block_size
+    rope_bounded = _families.rope_switch(target) is not None  # blocks sized from the fastest row (verify_budget)
     longrope = rope_switch and functools.partial(_longrope_step, rope_switch, input_ids, target, cache_kw, target_cache,
                                                  draft_cache, windows, features)
 
     while not any(finished) or _drop_finished(rows, finished, (target_cache, draft_cache), device):
-        b = min(next_b, budget - min(rows.host_new))
+        b = min(next_b, _families.verify_budget(rows.host_new, budget, rope_bounded))
         if longrope:  # a longrope target crossing its switch: clamp below it, re-prefill at it
             b = longrope(b, rows, run)
         positions = rows.start[:, None] + offsets[:b]  # (A, b)

@@ -31,11 +31,11 @@ from transformers.utils import logging
 try:
     from .decode_step import _commit, _prefill_commit, _sync
     from .target_families import draft_block_embedding, draft_logits, sliding_target
-    from .target_taps import capture_target_features
+    from .target_taps import capture_target_features, hidden_states_request, run_target, warm_output_capture
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from decode_step import _commit, _prefill_commit, _sync
     from target_families import draft_block_embedding, draft_logits, sliding_target
-    from target_taps import capture_target_features
+    from target_taps import capture_target_features, hidden_states_request, run_target, warm_output_capture
 
 logger = logging.get_logger(__name__)
 
@@ -144,8 +144,8 @@ def _verify_forward(target, cache, tokens, positions, layer_ids: tuple, cache_kw
     ``feature_device`` (the draft's) before concatenation: a target split over devices gives states
     on several devices."""
     extra = {"cache_position": positions[0]} if pass_cache_position else {}
-    out = target(input_ids=tokens, position_ids=positions, use_cache=True, output_hidden_states=True,
-                 **extra, **{cache_kw: cache})
+    out = target(input_ids=tokens, position_ids=positions, use_cache=True,
+                 output_hidden_states=hidden_states_request(layer_ids), **extra, **{cache_kw: cache})
     return out.logits, torch.cat([out.hidden_states[k + 1].to(feature_device) for k in layer_ids], dim=-1)
 
 
@@ -161,8 +161,8 @@ def _prefill(target, cache, input_ids, layer_ids: tuple, cache_kw: str, pass_cac
     if pass_cache_position:
         extra["cache_position"] = positions[0]
     with capture_target_features(target, layer_ids, feature_device) as features:
-        logits = target(input_ids=input_ids, position_ids=positions, use_cache=True, **extra,
-                        **{cache_kw: cache}).logits
+        logits = run_target(target, input_ids=input_ids, position_ids=positions, use_cache=True, **extra,
+                            **{cache_kw: cache}).logits
         return logits, features()
 
 
@@ -237,6 +237,8 @@ def static_decode(draft, target, input_ids, block_size, mask_token_id, sampling,
     draft_cache = StaticDraftContext(draft.config.num_hidden_layers, _bucket(prompt_len + budget + 2 * b), device)
     verify, draft_fn = compiled(_verify_forward, compile_config), compiled(_draft_forward, compile_config)
     mark_step = _step_marker(compile_config, device)
+    if compile_config is not None:  # a cold target would set up its hidden-state outputs inside the graph
+        warm_output_capture(target, layer_ids)
     t0 = _sync(device) if output_timings else None
 
     feature_device = draft.fc.weight.device  # taps go to the draft's device (target_families.draft_device)

@@ -5,7 +5,9 @@ DeltaNet in Qwen3.5 / Qwen3.6 / Qwen3-Next) cannot be cut: their convolution win
 state have already absorbed every token of the block, rejected drafts included, and cropping would
 silently move the target off its own path (notes section 3). Method (the one the authors' MLX port
 uses, notes section 7): during the verify forward each linear-attention mixer's states are
-snapshotted and its input is recorded (forward pre-hooks, removed after the forward); after the
+snapshotted and its input is recorded (forward pre-hooks shared by every call on the target while any
+of them records, each recording into the cache its forward was given, so threads sharing a target
+never record each other's forwards); after the
 verify, every row whose block was not fully accepted gets its states back from the snapshot and
 replays its own committed prefix through the linear-attention mixers only (no MLP, no attention, no
 LM head). Rows are replayed in groups of equal committed length, never padded, because a padded
@@ -20,6 +22,8 @@ writes of a linear-attention cache layer's state dictionaries are isolated in ``
 
 import contextlib
 import inspect
+import threading
+import weakref
 
 import torch
 import transformers
@@ -118,13 +122,13 @@ class HybridCache(DynamicCache):
     ``crop(-n)`` cuts the attention layers only; ``restore_linear_states(committed)`` then puts every
     linear-attention layer at the state after exactly the committed tokens of each row.
     ``batch_select_indices`` also selects rows of the linear states. The snapshots and recorded
-    inputs live on this object, for one verify forward at a time.
+    inputs live on this object (per call, never on the target's modules), for one verify forward at a time.
     """
 
     def __init__(self, target):
         super().__init__(config=target.config)
         self._mixers = _mixers(target)
-        self._snapshots, self._inputs = {}, {}
+        self._snapshots, self._inputs, self._recording = {}, {}, False
         params = inspect.signature(next(iter(self._mixers.values())).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "cache_params"
 
@@ -142,23 +146,23 @@ class HybridCache(DynamicCache):
 
     @contextlib.contextmanager
     def recording(self):
-        """Inside: every linear mixer snapshots its layer's states and records its input ``(B, b, hidden)``."""
+        """Inside: every linear mixer snapshots its layer's states and records its input ``(B, b, hidden)``,
+        for forwards that run on THIS cache only (``_record_mixer_input``): other calls on the same
+        target, in other threads, pass their own cache and are never recorded here."""
         self._snapshots, self._inputs = {}, {}
+        with _mixer_hooks(self._mixers):
+            self._recording = True
+            try:
+                yield
+            finally:
+                self._recording = False
 
-        def hook_for(i):
-            def hook(module, args, kwargs):
-                assert module.layer_idx == i, f"mixer of layer {module.layer_idx} hooked as layer {i}"
-                conv, recurrent = _states(self.layers[i])
-                self._snapshots[i] = (conv.clone(), recurrent.clone())
-                self._inputs[i] = args[0] if args else kwargs["hidden_states"]
-            return hook
-
-        handles = [m.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, m in self._mixers.items()]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
+    def _record(self, i: int, module, args, kwargs) -> None:
+        """Pre-forward of mixer ``i`` on this cache: snapshot its states, keep its input."""
+        assert module is self._mixers.get(i), f"mixer of layer {module.layer_idx} is not this cache's layer {i}"
+        conv, recurrent = _states(self.layers[i])
+        self._snapshots[i] = (conv.clone(), recurrent.clone())
+        self._inputs[i] = args[0] if args else kwargs["hidden_states"]
 
     def restore_linear_states(self, committed: torch.Tensor) -> None:
         """Put each linear layer at the state after the first ``committed[r]`` tokens of row ``r``'s block.
@@ -176,6 +180,43 @@ class HybridCache(DynamicCache):
         for i in self._mixers:
             _restore_layer(self, i, committed)
         self._snapshots, self._inputs = {}, {}
+
+
+_HOOKS_LOCK = threading.Lock()
+_HOOKS = weakref.WeakKeyDictionary()  # first mixer of a target -> [open recordings, hook handles]
+
+
+def _record_mixer_input(module, args, kwargs=None):
+    """Forward pre-hook shared by every call on one target: records into the cache the forward runs on,
+    when that cache is a ``HybridCache`` inside ``recording()``; any other forward passes untouched.
+    ``kwargs`` may be missing when another thread removes the hook while this forward starts."""
+    kwargs = kwargs or {}
+    cache = kwargs.get("cache", kwargs.get("cache_params"))
+    if isinstance(cache, HybridCache) and cache._recording:
+        cache._record(module.layer_idx, module, args, kwargs)
+
+
+@contextlib.contextmanager
+def _mixer_hooks(mixers: dict):
+    """Hooks on ``mixers`` while at least one recording on them is open (counted under a lock, as
+    ``target_taps`` shares its hooks): a hook is never added or removed for one call while another
+    call's recording is open, so concurrent calls on one target neither miss nor cross records."""
+    key = next(iter(mixers.values()))
+    with _HOOKS_LOCK:
+        entry = _HOOKS.get(key)
+        if entry is None:
+            handles = [m.register_forward_pre_hook(_record_mixer_input, with_kwargs=True) for m in mixers.values()]
+            entry = _HOOKS[key] = [0, handles]
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _HOOKS_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                for h in entry[1]:
+                    h.remove()
+                _HOOKS.pop(key, None)
 
 
 def _replay_groups(committed: torch.Tensor, width: int) -> list:

@@ -84,6 +84,9 @@ def check_tap(layer_id: int, state: torch.Tensor, batch: int, length: int) -> to
 def concat_taps(store: dict, layer_ids, device=None) -> torch.Tensor:
     """``(B, T, len(layer_ids) * H)``: the taps of ``store`` (layer id -> state, ``"shape"`` -> the
     forward's ``(B, T)``) checked with [`check_tap`], moved to ``device``, concatenated in order."""
+    if "shape" not in store:
+        raise RuntimeError("no target forward was tapped inside capture_target_features: on a compiled target "
+                           "(taps read from the forward's hidden states) call it through target_taps.run_target")
     batch, length = store["shape"]
     taps = [check_tap(k, store[k], batch, length) for k in layer_ids]
     return torch.cat([t if device is None else t.to(device) for t in taps], dim=-1)
@@ -246,8 +249,12 @@ def check_rope(target, prompt_len: int, max_new_tokens: int, batch: int = 1, pad
 
     ``generate`` feeds one position per step, so a ``dynamic``/``longrope`` target computes each
     position with the frequencies of its own length; a verify block computes several positions with
-    those of its LAST one. Below the switch both agree exactly. The highest position any forward sees
-    is ``prompt_len + max_new_tokens - 2``.
+    those of its LAST one. Below the switch both agree exactly. The highest position generate computes
+    is ``prompt_len + max_new_tokens - 2`` with ``prompt_len`` the LONGEST row's true length (left
+    padding does not count: positions are ``cumsum(attention_mask) - 1``), and the loops keep every
+    verify forward at or below it for every row: the dynamic loop sizes blocks from the fastest row
+    ([`verify_budget`]), the static loop, whose blocks are full, falls back to it when a block could
+    reach the switch ([`static_rope_reason`]).
 
     * ``dynamic`` past the switch: refused (generate recomputes the frequencies at every new length,
       so every token past it would need its own target pass: no speculation left).
@@ -260,7 +267,8 @@ def check_rope(target, prompt_len: int, max_new_tokens: int, batch: int = 1, pad
       throughout, as generate does: nothing to do.
 
     Args:
-        prompt_len: padded prompt width; max_new_tokens: the token budget (``1 << 40`` when unbounded).
+        prompt_len: the longest row's true prompt length (not the padded width); max_new_tokens: the
+            token budget (``1 << 40`` when unbounded).
         batch: rows; padded: whether any prompt position is padding.
 
     Returns None (nothing to do) or the longrope switch ``original_max_position_embeddings`` (int).
@@ -307,6 +315,38 @@ def check_rope(target, prompt_len: int, max_new_tokens: int, batch: int = 1, pad
             raise NotImplementedError(f"target has two longrope switches ({crossing} and {first}); not supported")
         crossing = first
     return crossing
+
+
+def verify_budget(host_new: list, budget: int, rope_bounded: bool) -> int:
+    """Largest verify block of a step that commits no row past its budget and, on targets with a
+    position-dependent RoPE (``rope_bounded``: [`rope_switch`] is not None), runs no row past the last
+    position ``generate`` computes for it.
+
+    Row ``r`` (``host_new[r]`` tokens committed, the last of them the anchor at position
+    ``len_r + host_new[r] - 1``) is fed by ``generate`` up to position ``len_r + budget - 2``; a block of
+    ``b`` slots reaches ``len_r + host_new[r] + b - 2``. So ``b <= budget - host_new[r]`` for EVERY row:
+    the block is sized from the fastest row, not only the slowest, else a row ahead of the others runs
+    the whole batch's forward past ``check_rope``'s limit, where its frequencies switch for every row
+    and every position, committed tokens included (issue "targets as users run them", item 1). Other
+    targets size it from the slowest row (a faster row's extra slots are cut by the budget).
+    """
+    return budget - (max(host_new) if rope_bounded else min(host_new))
+
+
+def static_rope_reason(target, prompt_len: int, budget: int, block_size: int):
+    """Why the static loop, whose every verify is a full block, cannot run this call exactly on a
+    position-dependent-RoPE target, or None. Its last block (anchor at ``prompt_len + budget - 2``, the
+    last position generate computes) reaches ``prompt_len + budget + block_size - 3``; at or past the
+    switch the whole forward would use the switched frequencies."""
+    found = rope_switch(target)
+    if found is None:
+        return None
+    kind, first = found
+    reach = prompt_len + budget + block_size - 3
+    if reach < first:
+        return None
+    return (f"its full verify blocks would reach position {reach}, past the {kind!r} RoPE switch at position "
+            f"{first} that generate never reaches here (the dynamic loop shortens blocks there)")
 
 
 def longrope_block_limit(switch: int, committed: int, block_size: int) -> int:
@@ -401,6 +441,6 @@ FAMILY = sys.modules[__name__]
 __all__ = [
     "FAMILY", "concat_taps", "draft_block_embedding", "draft_logits",
     "check_family", "check_rope", "check_tap", "decoder_parts", "draft_device", "execution_device",
-    "layer_windows", "longrope_block_limit", "prefill_kwargs", "rope_switch", "sliding_target", "target_mask", "text_config",
-    "window_masks",
+    "layer_windows", "longrope_block_limit", "prefill_kwargs", "rope_switch", "sliding_target", "static_rope_reason",
+    "target_mask", "text_config", "verify_budget", "window_masks",
 ]

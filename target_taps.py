@@ -1,11 +1,22 @@
-"""Target feature taps: the outputs of chosen target layers, captured by forward hooks during the
-target's own forwards (layer id ``k`` = output of decoder layer ``k``; notes sections 1 and 6). Shared
-by decoding (``spec_generate``, both loops) and training (``train/features.py``).
+"""Target feature taps: the outputs of chosen target layers, captured during the target's own forwards
+(layer id ``k`` = output of decoder layer ``k``; notes sections 1 and 6). Shared by decoding
+(``spec_generate``, both loops) and training (``train/features.py``).
+
+Two ways, one convention: forward hooks on the decoder layers (any target, any version), or, when the
+target's forward is compiled (``model.forward = torch.compile(model.forward, ...)``, the transformers
+docs' pattern, or ``model.compile()``), the forward's own hidden states: a hook of ours inside a
+compiled region breaks dynamo's graph (``fullgraph=True`` fails, otherwise the graph is cut at every
+hooked layer). Forwards that should be tapped go through [`run_target`], which asks for exactly the
+tapped states when a compiled capture is open (transformers >= 5.24: ``output_hidden_states`` as the
+list of tapped indices; older: all of them, of which only the tapped ones are kept).
 """
 
 import contextlib
 import threading
 import weakref
+
+import torch
+import transformers
 
 try:
     from .target_families import FAMILY as _families
@@ -49,6 +60,69 @@ class _Taps:
         return hook
 
 
+def compiled_forward(target) -> bool:
+    """Whether ``target``'s forward runs under ``torch.compile``: ``target.forward`` replaced by a
+    compiled function (which carries dynamo's ``_torchdynamo_orig_callable``), or ``target.compile()``
+    (a compiled ``_compiled_call_impl``)."""
+    forward = getattr(target, "forward", None)
+    return hasattr(forward, "_torchdynamo_orig_callable") or getattr(target, "_compiled_call_impl", None) is not None
+
+
+_SELECTS_STATES = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 24)
+
+
+def hidden_states_request(layer_ids):
+    """The ``output_hidden_states`` value that returns the taps ``layer_ids`` (HF index ``k + 1``): the list
+    of those indices on transformers >= 5.24 (the others come back as None), else True (all of them)."""
+    return sorted({k + 1 for k in layer_ids}) if _SELECTS_STATES else True
+
+
+def warm_output_capture(target, layer_ids) -> None:
+    """Run transformers' first-use setup of hidden-state outputs eagerly, before a compiled forward asks
+    for them: transformers 5.x installs its output-capturing hooks lazily, under a ``threading.Lock``,
+    inside the first forward that requests hidden states, and dynamo cannot enter a lock ("Unsupported
+    context manager"), so a cold target fails under ``fullgraph=True``. One one-token forward through
+    the CLASS's forward (the uncompiled function; no cache), once per call of ours; cheap and harmless
+    where nothing is lazy (4.57). Source: issue "targets as users run them", items 4 and 5."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=_input_device(target))
+    with torch.no_grad():
+        type(target).forward(target, input_ids=ids, use_cache=False, output_hidden_states=hidden_states_request(layer_ids))
+
+
+def _input_device(target):
+    weight = target.get_input_embeddings().weight
+    return weight.device if weight.device.type != "meta" else torch.device("cpu")
+
+
+class _OutputTaps:
+    """This target's captures that read the forward's own hidden states, per thread (compiled targets)."""
+
+    def __init__(self):
+        self.by_thread = {}
+
+
+_OUTPUTS = weakref.WeakKeyDictionary()  # target -> _OutputTaps, only while some compiled capture on it is open
+
+
+def run_target(target, **kwargs):
+    """``target(**kwargs)``, filling the calling thread's open captures on ``target`` from the forward's
+    own hidden states when they read outputs (compiled targets); a plain call otherwise (hooks fill them).
+    Returns the forward's output, its ``hidden_states`` dropped when we asked for them."""
+    outputs = _OUTPUTS.get(target)
+    stores = outputs.by_thread.get(threading.get_ident()) if outputs is not None else None
+    if not stores:
+        return target(**kwargs)
+    wanted = sorted(set().union(*(store["wanted"] for store in stores)))
+    out = target(**kwargs, output_hidden_states=hidden_states_request(wanted))
+    states, ids = out.hidden_states, kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    for store in stores:
+        store["shape"] = tuple(ids.shape[:2])
+        for k in store["wanted"]:
+            store[k] = states[k + 1]
+    out.hidden_states = None
+    return out
+
+
 _TAPS_LOCK = threading.Lock()
 _TAPS = weakref.WeakKeyDictionary()  # target -> _Taps, only while some capture on it is open
 
@@ -62,6 +136,8 @@ def capture_target_features(target, layer_ids, device=None):
     off-by-one here silently ruins acceptance, notes section 6). Only these layers are kept, never all.
     Only forwards run by the calling thread are captured: two threads decoding with one target each
     get their own features (the hooks are shared per target and removed when the last capture exits).
+    On a compiled target ([`compiled_forward`]) no hook is installed: the forwards must go through
+    [`run_target`], which reads the taps from the forward's hidden states (module docstring).
 
     Yields a callable ``get() -> (batch, seq, len(layer_ids) * hidden)`` returning the features of the
     most recent forward, concatenated in ``layer_ids`` order, each tap moved to ``device`` (the
@@ -76,10 +152,18 @@ def capture_target_features(target, layer_ids, device=None):
     if bad:
         raise ValueError(f"target_layer_ids {list(layer_ids)} include {bad}, but the target has {len(layers)} layers")
     store, tid = {"wanted": frozenset(layer_ids)}, threading.get_ident()
+    compiled = compiled_forward(target)
+    if compiled:
+        warm_output_capture(target, layer_ids)
     with _TAPS_LOCK:
-        taps = _TAPS.get(target)
-        if taps is None:
-            taps = _TAPS[target] = _Taps(target)
+        if compiled:
+            taps = _OUTPUTS.get(target)
+            if taps is None:
+                taps = _OUTPUTS[target] = _OutputTaps()
+        else:
+            taps = _TAPS.get(target)
+            if taps is None:
+                taps = _TAPS[target] = _Taps(target)
         taps.by_thread.setdefault(tid, []).append(store)
     try:
         yield lambda: _families.concat_taps(store, layer_ids, device)
@@ -90,10 +174,10 @@ def capture_target_features(target, layer_ids, device=None):
             if not stores:
                 del taps.by_thread[tid]
             if not taps.by_thread:
-                for h in taps.handles:
+                for h in getattr(taps, "handles", ()):
                     h.remove()
-                _TAPS.pop(target, None)
+                (_OUTPUTS if compiled else _TAPS).pop(target, None)
         store.clear()
 
 
-__all__ = ["capture_target_features"]
+__all__ = ["capture_target_features", "compiled_forward", "hidden_states_request", "run_target", "warm_output_capture"]

@@ -329,3 +329,60 @@ def test_an_unsupported_recurrent_family_is_refused_with_the_real_reason():
     with pytest.raises(NotImplementedError, match="hybrid target model_type 'qwen3'"):
         draft.spec_generate(target, PROMPTS[1], max_new_tokens=4, temperature=0.0)
     assert calls == []
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+@needs_v5
+def test_a_recording_sees_only_the_forwards_of_its_own_cache():
+    """Deterministic interleaving: call A's verify forward runs while call B's recording is open (another
+    thread's forward on the same mixers); B's snapshots and inputs stay B's, A's run is not recorded."""
+    import threading
+
+    target = target_for("qwen3_5")
+    mine, other = _prefilled(target, PROMPTS[0]), _prefilled(target, PROMPTS[2])
+    with target_cache.recording(mine):
+        target(input_ids=PROMPTS[1], cache=mine, use_cache=True)
+        recorded = {i: x.clone() for i, x in mine._inputs.items()}
+        thread = threading.Thread(target=lambda: target(input_ids=PROMPTS[2][:, :5], cache=other, use_cache=True))
+        thread.start()
+        thread.join()
+    assert all(torch.equal(mine._inputs[i], recorded[i]) for i in recorded)
+    assert other._snapshots == {} and other._inputs == {}
+
+
+@needs_v5
+def test_threads_on_one_hybrid_target_each_equal_generate():
+    """Three threads, two calls each, on one target; every call equals ``target.generate``.
+    A tiny switch interval makes the threads interleave inside forwards (the bug: hooks on the shared
+    mixers recorded every thread's forward into whichever call had registered them)."""
+    import sys
+    import threading
+
+    kind = "qwen3_5"
+    target, draft = target_for(kind), hybrid_draft()
+    refs = [reference(kind, p, 24) for p in range(3)]
+    results, errors = {}, []
+
+    def worker(t):
+        try:
+            for k in range(2):
+                p = (t + k) % 3
+                results[t, k] = (p, draft.spec_generate(target, PROMPTS[p], max_new_tokens=24, temperature=0.0))
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    wrong = [key for key, (p, out) in results.items() if not torch.equal(out, refs[p])]
+    assert len(results) == 6 and not wrong, wrong

@@ -201,3 +201,36 @@ def test_long_prompt_and_fine_tune_flags_are_checked_before_any_work(tmp_path):
     ok = td.parse_args(["--preset", "pair-long", "--init", PAIR_DRAFTER])
     draft, report = td._fine_tune_start(ok, [1, 3, 5], 1)
     assert report == {"fine_tuned_from": PAIR_DRAFTER} and draft.dtype == torch.float32
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3"])
+def test_packed_features_keep_each_sliding_window_inside_its_document(family):
+    """Window 6, documents of 9-14 tokens: packed == alone. Planted bug caught: no window in the packed
+    mask (``packed_inputs`` without ``windows``): every family differs (the window is lost)."""
+    from family_targets import family_target
+
+    target = family_target(family)
+    docs = _docs([9, 14, 11], seed=3)
+    alone = [features.target_features(target, d[None], [0, 2])[0] for d in docs]
+    packed = features.compute_features(target, docs, [0, 2], pack_tokens=40)
+    assert features.pack_documents([9, 14, 11], 40) == [[0, 1, 2]]
+    for i, (a, p) in enumerate(zip(alone, packed)):
+        assert torch.allclose(a, p, atol=1e-5), (family, i, float((a - p).abs().max()))
+
+
+def test_packing_a_hybrid_target_is_refused_by_name():
+    """Linear-attention state would run from one document into the next: refused before any forward."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        pytest.skip("Qwen3.5 exists from transformers 5 on")
+    from test_hybrid import tiny_hybrid
+
+    target = tiny_hybrid("qwen3_5")
+    calls = []
+    target.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(NotImplementedError, match=r"--pack-tokens: target 'qwen3_5_text' has linear-attention layers"):
+        features.compute_features(target, _docs([5, 6]), [0, 3], pack_tokens=20)
+    with pytest.raises(NotImplementedError, match="linear-attention"):
+        features.LiveFeatures(target, [], [0, 3], pack_tokens=20)
+    assert calls == []
+    assert len(features.compute_features(target, _docs([5, 6]), [0, 3], pack_tokens=0)) == 2  # one per row: fine

@@ -7,7 +7,10 @@ inference -- so training and inference read the same tensors (layer ``k`` = outp
 
 Packing: several documents share one target forward row; a block-diagonal causal mask keeps each
 document from attending to another and positions restart at 0 for each, so every document's features
-equal those of the document run alone (up to float summation order).
+equal those of the document run alone (up to float summation order). Sliding-window targets get the
+window inside each document too (one mask per attention kind, ``target_families.layer_windows``: a
+4-D mask replaces the model's own, window included). Hybrid linear-attention targets are refused: their
+recurrent state would carry one document into the next (no per-document reset in a packed forward).
 
 Cache (:func:`write_feature_cache`): safetensors shards plus ``index.json``; bf16 by default. Disk cost
 per token = ``len(target_layer_ids) x hidden_size x 2`` bytes in bf16 (Qwen3-8B, 5 taps x 4096: 40 KB
@@ -24,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from train._paths import capture_target_features
+from train._paths import capture_target_features, layer_windows, linear_layer_ids, run_target
 
 INDEX = "index.json"
 
@@ -38,12 +41,14 @@ def target_features(target, input_ids: torch.Tensor, layer_ids, attention_mask=N
     """
     device = target.get_input_embeddings().weight.device
     kwargs = {}
-    if attention_mask is not None:
+    if isinstance(attention_mask, dict):  # one 4-D mask per attention kind (packed sliding-window targets)
+        kwargs["attention_mask"] = {kind: m.to(device) for kind, m in attention_mask.items()}
+    elif attention_mask is not None:
         kwargs["attention_mask"] = attention_mask.to(device)
     if position_ids is not None:
         kwargs["position_ids"] = position_ids.to(device)
     with capture_target_features(target, list(layer_ids)) as get:
-        target(input_ids=input_ids.to(device), use_cache=False, **kwargs)
+        run_target(target, input_ids=input_ids.to(device), use_cache=False, **kwargs)  # compiled targets too
         return get()
 
 
@@ -62,20 +67,43 @@ def pack_documents(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return rows
 
 
-def packed_inputs(docs: list[torch.Tensor], dtype: torch.dtype = torch.float32):
+def packed_inputs(docs: list[torch.Tensor], dtype: torch.dtype = torch.float32, windows: Optional[dict] = None):
     """One target row holding ``docs`` (each ``(T_i,)``) side by side.
 
-    Returns ``(input_ids (1, W), position_ids (1, W), attention_mask (1, 1, W, W))`` with ``W = sum T_i``:
-    positions restart at 0 for each document and the additive ``dtype`` mask is causal inside a document
-    and ``finfo(dtype).min`` between documents (block diagonal), so no document sees another.
+    Returns ``(input_ids (1, W), position_ids (1, W), attention_mask)`` with ``W = sum T_i``: positions
+    restart at 0 for each document and the additive ``dtype`` mask ``(1, 1, W, W)`` is causal inside a
+    document and ``finfo(dtype).min`` between documents (block diagonal), so no document sees another.
+    ``windows`` (``target_families.layer_windows`` of the target; {} or None: no sliding layer) adds each
+    sliding window inside its document (key visible iff ``q - k < window``, transformers' rule): one mask
+    for every layer (windows keyed None, Mistral style), else ``{layer_type: mask}``, which models with
+    ``layer_types`` take as their mask mapping.
     """
     ids = torch.cat(docs)[None]
     doc = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])
     pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
     idx = torch.arange(len(doc))
-    allowed = (doc[:, None] == doc[None, :]) & (idx[None, :] <= idx[:, None])  # (W, W)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    return ids, pos, mask[None, None]
+    diff = idx[:, None] - idx[None, :]  # (W, W) query index - key index: the distance inside a document
+    allowed = (doc[:, None] == doc[None, :]) & (diff >= 0)  # (W, W)
+
+    def additive(visible):
+        return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+    if not windows:
+        return ids, pos, additive(allowed)
+    masks = {kind: additive(allowed if w is None else allowed & (diff < w)) for kind, w in windows.items()}
+    return ids, pos, masks[None] if None in masks else masks
+
+
+def check_packable(target) -> None:
+    """Raise NotImplementedError, naming the family, for targets whose packed features cannot equal each
+    sequence alone: hybrid linear-attention targets (their recurrent and convolution state runs on
+    through the whole packed row, carrying one document into the next)."""
+    linear = linear_layer_ids(target)
+    if linear:
+        kind = getattr(target.config.get_text_config(), "model_type", None)
+        raise NotImplementedError(
+            f"--pack-tokens: target {kind!r} has linear-attention layers {linear}, whose state would carry one "
+            "document into the next in a packed row; run its sequences one per row (--pack-tokens 0)")
 
 
 @torch.no_grad()
@@ -83,17 +111,21 @@ def compute_features(target, sequences: list[torch.Tensor], layer_ids, pack_toke
                      dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Features ``(T_i, len(layer_ids) * hidden)`` on CPU in ``dtype`` for every sequence ``(T_i,)``.
 
-    ``pack_tokens > 0`` packs sequences into target rows of at most that many tokens (:func:`packed_inputs`);
-    0 runs each sequence alone (then live and cached features are bit-identical: same shapes, same kernels).
+    ``pack_tokens > 0`` packs sequences into target rows of at most that many tokens (:func:`packed_inputs`,
+    windows included); 0 runs each sequence alone (then live and cached features are bit-identical: same
+    shapes, same kernels). Raises NotImplementedError for packing a hybrid target (:func:`check_packable`).
     """
     mask_dtype = target.get_input_embeddings().weight.dtype
+    if pack_tokens > 0:
+        check_packable(target)
+    windows = layer_windows(target)
     out: list[Optional[torch.Tensor]] = [None] * len(sequences)
     for row in pack_documents([len(s) for s in sequences], pack_tokens):
         if len(row) == 1:
             feats = target_features(target, sequences[row[0]][None], layer_ids)[0]
             out[row[0]] = feats.to("cpu", dtype)
             continue
-        ids, pos, mask = packed_inputs([sequences[i] for i in row], mask_dtype)
+        ids, pos, mask = packed_inputs([sequences[i] for i in row], mask_dtype, windows)
         feats = target_features(target, ids, layer_ids, attention_mask=mask, position_ids=pos)[0].to("cpu", dtype)
         start = 0
         for i in row:
@@ -110,6 +142,8 @@ class LiveFeatures:
 
     def __init__(self, target, examples, layer_ids, pack_tokens: int = 0):
         self.target, self.examples, self.layer_ids, self.pack_tokens = target, examples, list(layer_ids), pack_tokens
+        if pack_tokens > 0:
+            check_packable(target)  # refused at construction, before any forward
 
     def __call__(self, indices: Sequence[int]) -> list[torch.Tensor]:
         return compute_features(self.target, [self.examples[i].input_ids for i in indices], self.layer_ids,
