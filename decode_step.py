@@ -137,7 +137,7 @@ def _commit(run, rows, accepted, drafted, new, scores, logits):
     row's budget (by length, never by value) and right after its first stopping token; record the
     statistics of the step. One device-to-host transfer (the acceptance decision). Returns host lists
     ``(committed (A,), done (A,))``: anchor + accepted drafts per row, and whether the row is done."""
-    done, counts = [], []
+    done, counts, totals = [], [], []
     host = torch.cat([accepted[:, None], new], dim=1).tolist()  # (A, 1 + n + 1): the step's only sync
     remaining = [run.stops.budget - n for n in rows.host_new]
     n_new = rows.host_new
@@ -147,7 +147,11 @@ def _commit(run, rows, accepted, drafted, new, scores, logits):
         start = n_new[i] + (run.history.prompt_len if run.history is not None else 0)
         if run.history is not None:
             run.history.write(r, start, take)
-        take, stopped = run.stops.cut(take, run.history, r, start)
+        cut, stopped = run.stops.cut(take, run.history, r, start)
+        take, stopped = run.stops.keep_generating(r, n_new[i], take, cut, stopped)
+        if stopped and run.history is not None:
+            run.history.pad_from(r, start + len(take))  # generate pads a finished row (processors see it)
+        totals.append(n_new[i] + len(take))
         run.chunks[r].append(take)
         run.out.row_acceptance_lengths[r].append(len(take))
         run.out.row_draft_lengths[r].append(min(drafted, remaining[i]))
@@ -157,6 +161,9 @@ def _commit(run, rows, accepted, drafted, new, scores, logits):
         done.append(stopped or len(take) >= remaining[i])
         if run.streamer is not None:
             run.streamer.put(torch.tensor(take))
+    end = run.stops.batch_end()  # no eos criterion: stopped rows run on until every row has stopped
+    if end is not None:
+        done = [d or total >= end for d, total in zip(done, totals)]
     return counts, done
 
 

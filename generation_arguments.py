@@ -6,6 +6,8 @@ by name) and ``NO_EFFECT_KEYS`` (accepted, without effect, with the reason); the
 the mask, the numbers and the draft/target pairing raise before any forward pass.
 """
 
+import inspect
+
 import torch
 from transformers import GenerationConfig, StopStringCriteria
 from transformers.utils import logging
@@ -73,8 +75,10 @@ REFUSED_KEYS = {
 NO_EFFECT_KEYS = {
     "use_cache": "spec_generate always caches (a DynamicCache per model)",
     "cache_implementation": "None/'dynamic': a DynamicCache per model; 'static' selects the fixed-shape loop "
-                            "of static_generate.py (batch 1); generate itself is told None so that it "
-                            "allocates no static cache",
+                            "of static_generate.py (batch 1), and so do 'hybrid', 'hybrid_chunked', "
+                            "'sliding_window' passed in the call; other values from a generation_config and "
+                            "'offloaded*' run the dynamic loop with an info log; 'quantized' in the call is "
+                            "refused; generate itself is told None so that it allocates no cache",
     "cache_config": "see cache_implementation",
     "max_cache_len": "see cache_implementation",
     "return_legacy_cache": "the output holds the cache object (batch 1, cache_reuse.py), never a legacy tuple",
@@ -99,12 +103,48 @@ NO_EFFECT_KEYS = {
 }
 
 
+# generate()'s own parameters that are not GenerationConfig fields, as spec_generate takes them.
+CALL_OPTIONS = {
+    "synced_gpus": "None/False: no effect (one process decodes alone; there is no peer process to keep in "
+                   "step with dummy forwards); True is refused",
+    "use_model_defaults": "transformers 4.57 only (a generate() parameter there): handed to generate, which "
+                          "merges generation_config with the target's by it",
+}
+
+
+def _call_options(kwargs: dict, target) -> dict:
+    """Pop ``CALL_OPTIONS`` from ``kwargs``; returns those to hand to ``generate``.
+
+    Raises NotImplementedError for ``synced_gpus=True`` (lock-stepped multi-process decoding is not
+    built), before any work; ``use_model_defaults`` is left in ``kwargs`` (a TypeError naming it) where
+    the installed ``generate`` has no such parameter (transformers 5.x)."""
+    synced = kwargs.pop("synced_gpus", None)
+    if synced not in (None, False):
+        raise NotImplementedError(
+            f"synced_gpus={synced!r} is not supported by spec_generate: it decodes in one process, and keeping "
+            "several processes in step (generate's dummy forwards for finished peers) is not built; leave it None/False")
+    out = {}
+    if "use_model_defaults" in kwargs and "use_model_defaults" in inspect.signature(target.generate).parameters:
+        out["use_model_defaults"] = kwargs.pop("use_model_defaults")
+    return out
+
+
+def check_vocab(draft_vocab: int, target_vocab: int) -> None:
+    """ValueError naming both sizes unless the target's input embedding has ``draft_vocab`` rows: a drafter
+    trained with another tokenizer would borrow rows that mean other tokens (no error, wrong drafts)."""
+    if draft_vocab != target_vocab:
+        raise ValueError(
+            f"the drafter was built for a vocabulary of {draft_vocab} tokens (config vocab_size) but the target's "
+            f"input embedding has {target_vocab} rows: this draft was trained for a target with another tokenizer")
+
+
 def check_pairing(draft, target):
     """Raise ValueError unless ``draft`` was built for ``target`` (hidden size, layers, vocab)."""
     cfg = draft.config
     layers, _ = _decoder_parts(target)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     t_hidden, t_vocab = embed.weight.shape[1], embed.weight.shape[0]
+    check_vocab(cfg.vocab_size, t_vocab)
     n_feat = len(cfg.target_layer_ids)
     if draft.fc.in_features != n_feat * t_hidden:
         raise ValueError(
@@ -260,4 +300,4 @@ def _eos_list(config) -> list:
     return [eos] if isinstance(eos, int) else [int(t) for t in (eos.tolist() if torch.is_tensor(eos) else eos)]
 
 
-__all__ = ["NOT_PASSED", "APPLIED_KEYS", "REFUSED_KEYS", "NO_EFFECT_KEYS", "check_pairing"]
+__all__ = ["NOT_PASSED", "APPLIED_KEYS", "REFUSED_KEYS", "NO_EFFECT_KEYS", "CALL_OPTIONS", "check_pairing", "check_vocab"]

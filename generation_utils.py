@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 from transformers import CompileConfig, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.utils import logging
 
 # The modules below hold the pieces; this one holds the public entry and the loops that orchestrate them.
 # Every name of this module's `__all__` before the split stays importable from here.
@@ -29,6 +30,7 @@ try:
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
     from .decode_step import _prefill_commit, _sync, crop_cache, next_block_size
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
+    from .generation_arguments import _call_options, check_vocab
     from .generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from .generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
     from .generation_output import DFlashGenerateOutput, _assemble, _empty_output, per_slot_acceptance, plot_acceptance
@@ -39,11 +41,13 @@ try:
     from .target_cache import restore_linear_states
     from .target_families import FAMILY as _families
     from .target_taps import capture_target_features
+    from .user_processors import check_copyable
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import Resume, check_passed_cache, pop_passed_cache
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
     from decode_step import _prefill_commit, _sync, crop_cache, next_block_size
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
+    from generation_arguments import _call_options, check_vocab
     from generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
     from generation_output import DFlashGenerateOutput, _assemble, _empty_output, per_slot_acceptance, plot_acceptance
@@ -54,6 +58,9 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from target_cache import restore_linear_states
     from target_families import FAMILY as _families
     from target_taps import capture_target_features
+    from user_processors import check_copyable
+
+logger = logging.get_logger(__name__)
 
 
 def _through_generate(target, input_ids, attention_mask, loop, **generate_kwargs):
@@ -143,12 +150,16 @@ def spec_generate(
         block_size: per-call block size, an integer in ``[1, draft.config.block_size]``.
         attention_mask: ``(B, prompt_len)`` 0/1, left padding only.
         generation_config: a ``GenerationConfig`` merged with ``target.generation_config`` as generate does.
-        logits_processor: extra processors, as in generate. They and ``prefix_allowed_tokens_fn`` must
-            be pure functions of ``(input_ids, scores)``: they are also called on drafted prefixes that
-            are later rejected, and with a ``(B, L)`` batch in which only some rows are real.
+        logits_processor: extra processors, as in generate. They and ``prefix_allowed_tokens_fn`` may keep
+            state (xgrammar's pattern): drafted slots are scored by per-step copies (``copy.deepcopy``),
+            the caller's instance is called on committed tokens only, once per token and in order, with
+            the whole ``(B, L)`` batch, each row's own prefix at its own index; rows of a batch then
+            commit in lockstep (``user_processors.py``). A processor ``deepcopy`` cannot copy: ValueError.
         stopping_criteria: extra criteria, as in generate, called once per committed token in order
-            with that row's ``(1, L)`` prefix and ``scores=None``; a row stops right after the first
-            token at which one fires.
+            with that row's ``(1, L)`` prefix and ``scores=None`` (answering a bool, a bool tensor or a
+            list); a row stops right after the first token at which one fires. Without an eos
+            criterion, a stopped row of a batch keeps generating until every row has stopped (generate
+            pads finished rows only when an eos criterion exists).
         tokenizer: needed for ``stop_strings``, as in generate.
         generator: ``torch.Generator`` (on the target's device) for reproducible sampling.
         streamer: a transformers ``BaseStreamer`` (batch size 1): gets the prompt once, then each
@@ -171,6 +182,15 @@ def spec_generate(
 
     ``max_time`` is checked once per verify step, after the commit: the call returns within
     ``max_time`` plus one step, and the output is a prefix of the unlimited output.
+
+    Precision: greedy equality with ``generate`` is token for token in fp32. In bf16/fp16 the verify
+    block (several tokens in one forward) and generate's one-token forwards round differently, so the
+    outputs may part where two logits are nearly tied.
+
+    ``cache_implementation``: from a generation_config, anything but "static" runs the dynamic loop
+    (one info log); in the call, "static", "hybrid", "hybrid_chunked", "sliding_window" ask for the static
+    loop, "offloaded*" runs the dynamic loop (one info log), "quantized" raises NotImplementedError.
+    ``synced_gpus``: None/False accepted (no effect), True raises NotImplementedError.
 
     Returns:
         ``(B', prompt_len + new_len)`` LongTensor (``B' = B * num_return_sequences``): the prompt as
@@ -195,7 +215,8 @@ def spec_generate(
     Raises:
         TypeError: a keyword that is neither a ``GenerationConfig`` field nor an argument here.
         ValueError: bad input (ids, mask, non-integer ``block_size``/``max_new_tokens``, sampling
-            values out of range) or a draft not built for this target, before any forward pass; a passed
+            values out of range, a logits processor that cannot be copied) or a draft not built for this
+            target (another vocabulary size included, naming both), before any forward pass; a passed
             cache with a batch, a padded prompt, as many tokens as ``input_ids``, or the static loop.
         NotImplementedError: options that cannot be exact here (``REFUSED_KEYS``: beam search, DoLa,
             contrastive search, guidance, other speculative methods, attentions/hidden states,
@@ -209,6 +230,7 @@ def spec_generate(
     _check_is_causal_lm(target)
     _families.check_family(target)
     vocab = target.get_input_embeddings().weight.shape[0]
+    check_vocab(draft.config.vocab_size, vocab)
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask, vocab)
     _warn_unmasked_left_padding(input_ids, attention_mask, (generation_config or target.generation_config).pad_token_id)
     trained = draft.config.block_size
@@ -221,6 +243,7 @@ def spec_generate(
                   top_p=top_p, min_p=min_p, return_dict_in_generate=return_dict_in_generate,
                   output_scores=output_scores, output_logits=output_logits)
     passed_cache = pop_passed_cache(kwargs)  # cache= / past_key_values=: continue from it (cache_reuse.py)
+    call_options = _call_options(kwargs, target)  # synced_gpus, use_model_defaults (generate's own parameters)
     static = _static_request(kwargs, generation_config, target)  # before generate is told cache_implementation=None
     gen_kwargs = _generate_kwargs(passed, kwargs, stop_token_ids, generation_config, target)
     if generation_config is not None:
@@ -250,7 +273,8 @@ def spec_generate(
         return out if wants_dict else out.sequences
     return _through_generate(target, input_ids, prompt_mask, loop, generation_config=generation_config,
                              logits_processor=logits_processor, stopping_criteria=criteria,
-                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, streamer=streamer, **gen_kwargs)
+                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, streamer=streamer, **call_options,
+                             **gen_kwargs)
 
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
@@ -265,25 +289,27 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     input_ids = input_ids.to(device)
     mask = torch.ones_like(input_ids) if mask is None else mask.to(device=device, dtype=torch.long)
     check_passed_cache(passed_cache, input_ids, mask, target, static)
-    stops = _Stops(criteria, input_ids.shape[1])
+    stops = _Stops(criteria, input_ids.shape[1], bsz)
     budget = stops.budget if stops.budget is not None else 1 << 40
     rope_switch = _families.check_rope(target, int(mask.sum(1).max()), budget, bsz, not bool(mask.all()))
     want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
     return_dict = bool(config.return_dict_in_generate)
-    sampling = _Sampling(processors if processors is not None else LogitsProcessorList(), bool(config.do_sample),
-                         generator, sample_draft, want_scores=return_dict and (want_scores or want_logits))
-    history = None
-    if sampling.needs_prefix or stops.others:
-        history = _History(input_ids, stops.budget, block_size)
-        sampling.history = history
+    processors = processors if processors is not None else LogitsProcessorList()
+    sampling = _Sampling(processors, bool(config.do_sample), generator, sample_draft,
+                         want_scores=return_dict and (want_scores or want_logits),
+                         user=check_copyable(processors))  # before any forward
     pad = config.pad_token_id
     if pad is None:
         pad = (_eos_list(config) or [0])[0]
+    history = None
+    if sampling.needs_prefix or stops.others:
+        history = _History(input_ids, stops.budget, block_size, pad)
+        sampling.history = history
     out = _empty_output(input_ids)
     recorder = _Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
                recorder=recorder)
-    static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch, block_size)
+    static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch, block_size, adaptive)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py
             static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run)
@@ -291,42 +317,74 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
             with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
                         run, adaptive, rope_switch, passed_cache)
+    stops.trim(run.chunks)  # no eos criterion: rows end where the batch's last row stopped
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
         streamer.end()
     return out if return_dict else out.sequences
 
 
-def _static_request(kwargs, generation_config, target):
-    """``(True, compile_config)`` when the call asks for ``cache_implementation="static"`` (the keyword, else
-    the passed ``generation_config``, else the target's), else None. ``compile_config`` (a transformers
-    ``CompileConfig`` or None: uncompiled) is resolved the same way.
+# Passed in the call, these follow the static loop's rules (transformers' names for static caches with sliding
+# layers); the static loop covers full-attention targets and logs why it falls back on the others.
+_STATIC_ALIASES = ("static", "hybrid", "hybrid_chunked", "sliding_window")
 
-    Raises ValueError for a ``cache_implementation`` other than None, "dynamic" or "static", or a
-    ``compile_config`` that is not a ``CompileConfig``, before any work."""
+
+def _static_request(kwargs, generation_config, target):
+    """``(cache_implementation, compile_config)`` when the call asks for the static loop, else None (the
+    dynamic loop). ``compile_config`` (a transformers ``CompileConfig`` or None: uncompiled) is the keyword,
+    else the passed ``generation_config``'s, else the target's.
+
+    ``cache_implementation`` passed in the call: ``"static"`` and its aliases (``_STATIC_ALIASES``) ask for
+    the static loop (which falls back with a log where it does not apply); ``"offloaded*"`` runs the
+    dynamic loop with one info log. Taken from a generation_config (the passed one, else the target's):
+    anything but ``"static"`` runs the dynamic loop with one info log (Gemma 2/3 checkpoints publish
+    ``"hybrid"``, which generate itself ignores since 4.56: transformers#40135).
+
+    Raises, before any work: NotImplementedError for ``cache_implementation="quantized"`` passed in the
+    call (a quantized KV cache changes the logits: not the target's own output); ValueError for another
+    unknown value in the call, or a ``compile_config`` that is not a ``CompileConfig``."""
     configs = [c for c in (generation_config, target.generation_config) if c is not None]
 
     def pick(name):
         if kwargs.get(name) is not None:
-            return kwargs[name]
-        return next((getattr(c, name) for c in configs if getattr(c, name, None) is not None), None)
+            return kwargs[name], "the call"
+        source = next((c for c in configs if getattr(c, name, None) is not None), None)
+        if source is None:
+            return None, None
+        return getattr(source, name), ("the passed generation_config" if source is generation_config
+                                       else "the target's generation_config")
 
-    cache_implementation, compile_config = pick("cache_implementation"), pick("compile_config")
+    (impl, where), (compile_config, _) = pick("cache_implementation"), pick("compile_config")
     if compile_config is not None and not isinstance(compile_config, CompileConfig):
         raise ValueError(f"compile_config must be a transformers CompileConfig, got {type(compile_config).__name__}")
-    if cache_implementation in (None, "dynamic"):
+    if impl in (None, "dynamic"):
         return None
-    if cache_implementation != "static":
-        raise ValueError(f"cache_implementation={cache_implementation!r} is not supported; use 'dynamic' or 'static'")
-    return True, compile_config
+    if where == "the call":
+        if impl == "quantized":
+            raise NotImplementedError("cache_implementation='quantized' is not supported by spec_generate: a quantized "
+                                      "KV cache changes the target's logits, so the output would not be the target's own")
+        if impl in _STATIC_ALIASES:
+            return impl, compile_config
+        if not (isinstance(impl, str) and impl.startswith("offloaded")):
+            raise ValueError(f"cache_implementation={impl!r} is not supported; use 'dynamic', 'static' (or "
+                             f"{', '.join(repr(a) for a in _STATIC_ALIASES[1:])}) or 'offloaded'")
+    elif impl == "static":
+        return impl, compile_config
+    _log_dynamic(impl, where, "spec_generate keeps a DynamicCache per model")
+    return None
 
 
-def _static_loop(static, target, input_ids, mask, run, rope_switch=None, block_size=1):
+def _log_dynamic(impl, where, reason):
+    logger.info(f"cache_implementation={impl!r} (from {where}) runs spec_generate's dynamic loop: {reason}")
+
+
+def _static_loop(static, target, input_ids, mask, run, rope_switch=None, block_size=1, adaptive=False):
     """``static_generate.static_decode`` (``compile_config`` bound) when the static loop was asked for
     and applies to this call, else None: the dynamic loop, with one info log saying why (also for a
     call crossing a longrope switch, ``rope_switch`` from ``target_families.check_rope``: only the
-    dynamic loop re-prefills there, and for a call whose full blocks would pass a RoPE switch:
-    ``target_families.static_rope_reason``)."""
+    dynamic loop re-prefills there; for a call whose full blocks would pass a RoPE switch:
+    ``target_families.static_rope_reason``; and for ``adaptive_block_size``, which only the dynamic
+    loop does)."""
     if static is None:
         return None
     reason = static_unsupported_reason(target, input_ids, mask)
@@ -336,8 +394,13 @@ def _static_loop(static, target, input_ids, mask, run, rope_switch=None, block_s
         reason = f"crossing the longrope switch (sequence length {rope_switch + 1}) re-prefills, which is dynamic-only"
     if reason is None:  # a full last block past a RoPE switch generate never reaches
         reason = _families.static_rope_reason(target, input_ids.shape[1], run.stops.budget or 1 << 40, block_size)
+    if reason is None and adaptive:
+        reason = "adaptive_block_size=True changes the block size every step; the fixed-shape loop verifies one size"
     if reason is not None:
-        log_fallback(reason)
+        if static[0] == "static":
+            log_fallback(reason)
+        else:
+            _log_dynamic(static[0], "the call", reason)
         return None
     return functools.partial(static_decode, compile_config=static[1])
 
@@ -464,6 +527,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor
         new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
         counts, finished = _commit(run, rows, accepted, b - 1, new, scores, logits)
+        sampling.advance(rows, counts, logits, finished)  # the caller's processors: replay the committed slots
         committed, counts = resume.kept(run, committed, counts, finished)  # a returned cache ends at the output
         if run.stops.timed_out():  # max_time: once per verify step, after the commit
             finished = [True] * len(finished)

@@ -42,13 +42,14 @@ try:
     from .generation_output import DFlashGenerateOutput  # noqa: F401
     from .generation_utils import spec_generate as _spec_generate
     from .generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
-    from .native_routes import CUSTOM_GENERATE_PY  # noqa: F401
+    from .native_routes import CUSTOM_GENERATE_PY, check_native_target
     from .speculative_sampling import speculative_verify  # noqa: F401
     from .static_generate import static_decode as _static_decode  # noqa: F401
     from .stopping_criteria import _Stops  # noqa: F401
     from .target_cache import HYBRID_FAMILIES  # noqa: F401
     from .target_families import draft_block_embedding, draft_logits
     from .target_taps import capture_target_features  # noqa: F401
+    from .user_processors import check_copyable  # noqa: F401
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import DraftContext  # noqa: F401
     from configuration_dflash import DFlashConfig
@@ -59,13 +60,14 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from generation_output import DFlashGenerateOutput  # noqa: F401
     from generation_utils import spec_generate as _spec_generate
     from generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
-    from native_routes import CUSTOM_GENERATE_PY  # noqa: F401
+    from native_routes import CUSTOM_GENERATE_PY, check_native_target
     from speculative_sampling import speculative_verify  # noqa: F401
     from static_generate import static_decode as _static_decode  # noqa: F401
     from stopping_criteria import _Stops  # noqa: F401
     from target_cache import HYBRID_FAMILIES  # noqa: F401
     from target_families import draft_block_embedding, draft_logits
     from target_taps import capture_target_features  # noqa: F401
+    from user_processors import check_copyable  # noqa: F401
 if __package__:
     _record_sibling_sources(__name__)
 
@@ -492,6 +494,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             if noise_embedding is not None or target_hidden is not None or past_key_values is not None:
                 raise ValueError("pass either noise_embedding/target_hidden/past_key_values or the native "
                                  "noise_embeds/context_hidden_states/cache, not both")
+            check_native_target(self.config)  # a target with another vocabulary: named, not silently run
             hidden = self.forward(position_ids, noise_embeds, context_hidden_states, cache, use_cache, attention_mask)
             return BaseModelOutputWithPast(last_hidden_state=hidden)
         if noise_embedding is None or target_hidden is None:

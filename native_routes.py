@@ -6,13 +6,36 @@ saved drafter (``generate(custom_generate=<drafter>)``, 4.57 and 5.x).
 import contextlib
 import inspect
 import os
+import sys
 
 try:
     from .custom_generate_template import generate as _custom_generate_entry
+    from .generation_arguments import check_vocab
     from .generation_output import DFlashGenerateOutput
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from custom_generate_template import generate as _custom_generate_entry
+    from generation_arguments import check_vocab
     from generation_output import DFlashGenerateOutput
+
+
+def check_native_target(draft_config, max_depth: int = 8) -> None:
+    """On transformers' native DFlash route, ValueError naming both sizes unless the target's input
+    embedding has ``draft_config.vocab_size`` rows (``generation_arguments.check_vocab``).
+
+    The drafter's forward sees only the target's embeddings of its block, not the target: the caller,
+    transformers' ``DFlashTokenCandidateGenerator.get_candidates`` (5.x), holds the target's embedding as
+    ``main_model_input_embeddings``, found by walking up at most ``max_depth`` frames. Nothing is checked
+    when no such caller is found (our own loop checks before any forward)."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return
+        embed = getattr(frame.f_locals.get("self"), "main_model_input_embeddings", None)
+        weight = getattr(embed, "weight", None)
+        if weight is not None:
+            check_vocab(draft_config.vocab_size, weight.shape[0])
+            return
+        frame = frame.f_back
 
 
 @contextlib.contextmanager
@@ -94,4 +117,4 @@ def write_custom_generate(folder) -> str:
     return path
 
 
-__all__ = ["native_acceptance_stats", "write_custom_generate", "CUSTOM_GENERATE_PY"]
+__all__ = ["native_acceptance_stats", "write_custom_generate", "CUSTOM_GENERATE_PY", "check_native_target"]

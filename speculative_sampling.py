@@ -11,6 +11,11 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as _lp
 
+try:
+    from .user_processors import lockstep, process_rows, replay, step_copies
+except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from user_processors import lockstep, process_rows, replay, step_copies
+
 
 # Processors that act on each row's scores alone, whatever came before: applied in one batched call.
 # Any other processor (repetition penalty, n-gram, lengths, bad words, a user's) sees each prefix.
@@ -25,14 +30,18 @@ class _History:
     """Each row's tokens so far (padded prompt + committed new tokens), for processors and stopping
     criteria that read the sequence. ``tokens`` ``(B0, width)`` int64 over the original rows."""
 
-    def __init__(self, input_ids, budget, block_size):
+    def __init__(self, input_ids, budget, block_size, pad: int = 0):
         bsz, width = input_ids.shape
-        self.prompt_len = width
-        self.tokens = input_ids.new_zeros(bsz, width + budget + block_size)
+        self.prompt_len, self.pad = width, pad
+        self.tokens = input_ids.new_full((bsz, width + budget + block_size), pad)  # a finished row reads pad
         self.tokens[:, :width] = input_ids
 
     def write(self, row: int, start: int, tokens: list):
         self.tokens[row, start: start + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+
+    def pad_from(self, row: int, start: int):
+        """Row ``row`` ended before ``start``: pad from there on, as generate pads a finished row."""
+        self.tokens[row, start:] = self.pad
 
 
 def _process_at(procs, history, ids, lengths, ext, scores):
@@ -110,9 +119,28 @@ class _Sampling:
     history: Optional[_History] = None  # set when some processor reads the prefix
 
     want_scores: bool = False  # output_scores / output_logits: return processed scores from verify
+    user: bool = False  # some processor is the caller's: copies per step, whole-batch calls, lockstep rows
 
     def _lengths(self, rows) -> torch.Tensor:
         return rows.n_new + self.history.prompt_len  # (A,) history length, anchor included
+
+    def _at(self, procs, rows, ext, scores) -> torch.Tensor:
+        """``(A, V)`` processed scores of one slot, each row after its prefix + ``ext`` ``(A, j)``."""
+        if self.user:  # rows in lockstep: one history length; the whole batch in every call
+            return process_rows(procs, self.history, rows.ids, self.history.prompt_len + rows.host_new[0], ext, scores)
+        return _process_at(procs, self.history, rows.ids, self._lengths(rows), ext, scores)
+
+    def _step_procs(self):
+        """This step's processors for one side (draft or verify): the caller's ones as fresh copies."""
+        return step_copies(self.procs) if self.user else self.procs
+
+    def advance(self, rows, counts: list, target_logits, finished: list) -> None:
+        """After a step's commit: replay its committed slots on the caller's original processors (each
+        advances once per committed token, in order, as in generate). ``counts``: anchor + accepted drafts
+        per row (equal in lockstep); nothing to do once every row is finished."""
+        if self.user and not all(finished):
+            replay(self.procs, self.history, rows.ids, self.history.prompt_len + rows.host_new[0], counts[0],
+                   target_logits)
 
     @property
     def needs_prefix(self) -> bool:
@@ -157,9 +185,9 @@ class _Sampling:
         a, n, _ = draft_logits.shape
         tokens = draft_logits.new_zeros(a, n, dtype=torch.long)
         qs = []
+        procs = self._step_procs()
         for j in range(n):
-            scores = _process_at(self.procs, self.history, rows.ids, self._lengths(rows), tokens[:, :j],
-                                 draft_logits[:, j])
+            scores = self._at(procs, rows, tokens[:, :j], draft_logits[:, j])
             tokens[:, j] = self._pick(scores, self.do_sample and self.sample_draft)
             qs.append(torch.softmax(scores, dim=-1))
         if not self.do_sample:
@@ -171,13 +199,21 @@ class _Sampling:
         """Processed target scores ``(A, n + 1, V)``: slot j sees the row's prefix + the first j drafts."""
         if not self.needs_prefix:
             return self.processed(target_logits)
-        return torch.stack([_process_at(self.procs, self.history, rows.ids, self._lengths(rows), drafts[:, :j],
-                                        target_logits[:, j]) for j in range(target_logits.shape[1])], dim=1)
+        procs = self._step_procs()
+        return torch.stack([self._at(procs, rows, drafts[:, :j], target_logits[:, j])
+                            for j in range(target_logits.shape[1])], dim=1)
 
     def verify(self, drafts, q, target_logits, rows):
         """``(accepted (A,), next_token (A,), scores (A, n + 1, V) or None)``; see ``speculative_verify``.
 
-        ``scores`` are the processed target scores (None on the greedy path without processors)."""
+        ``scores`` are the processed target scores (None on the greedy path without processors). With the
+        caller's processors, rows commit in lockstep (``user_processors.lockstep``)."""
+        accepted, next_token, scores = self._verify(drafts, q, target_logits, rows)
+        if self.user:
+            accepted, next_token = lockstep(accepted, next_token, drafts)
+        return accepted, next_token, scores
+
+    def _verify(self, drafts, q, target_logits, rows):
         if not self.do_sample:  # greedy: keep drafts equal to the target's (processed) argmax
             scores = self.target_scores(drafts, target_logits, rows) if len(self.procs) else None
             choice = (target_logits if scores is None else scores).argmax(dim=-1)  # (A, n + 1)

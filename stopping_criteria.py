@@ -21,11 +21,19 @@ class _Stops:
     -> the token budget (``max_length`` minus the padded prompt width, at least 1 as in generate);
     ``MaxTimeCriteria`` -> asked once per verify step, after the commit; every other criterion
     (``StopStringCriteria``, a user's) -> called once per committed token, in order, with that row's
-    ``(1, L)`` prefix and ``scores=None``.
+    ``(1, L)`` prefix and ``scores=None``. A criterion may answer as generate accepts: a bool, a bool tensor
+    or a list of bools (the tutorial pattern returns a plain ``bool``).
+
+    Without an eos criterion, generate pads no finished row: in a batch, a row stopped by another
+    criterion keeps generating until every row has stopped (``keep_going``; the rows are then cut at the
+    longest row's stop, ``batch_end``). With one, a stopped row ends there and is padded, as today.
     """
 
-    def __init__(self, criteria, prompt_len: int):
+    def __init__(self, criteria, prompt_len: int, bsz: int = 1):
         self.eos, self.timers, self.others, max_length = set(), [], [], None
+        # generate's has_eos_stopping_criteria: finished rows are padded only when one exists
+        self.keep_going = bsz > 1 and not any(hasattr(c, "eos_token_id") for c in criteria)
+        self.bsz, self.stopped_at = bsz, {}  # row -> new tokens at its first stop (keep_going only)
         for c in criteria:
             if isinstance(c, EosTokenCriteria):
                 self.eos |= set(torch.as_tensor(c.eos_token_id).reshape(-1).tolist())
@@ -45,13 +53,44 @@ class _Stops:
             take = take[: hit + 1]
         for j in range(len(take) if self.others else 0):
             prefix = history.tokens[row: row + 1, : start + j + 1]
-            if any(bool(c(prefix, None).any()) for c in self.others):
+            if any(_fired(c(prefix, None)) for c in self.others):
                 return take[: j + 1], True
         return take, hit is not None
 
+    def keep_generating(self, row: int, n_before: int, take: list, cut: list, stopped: bool):
+        """``(take, done)`` of a row whose committed ``take`` was cut to ``cut`` by a stop (``stopped``):
+        with ``keep_going``, the first stop is recorded and the row keeps every token; else ``(cut, stopped)``."""
+        if not self.keep_going:
+            return cut, stopped
+        if stopped and row not in self.stopped_at:
+            self.stopped_at[row] = n_before + len(cut)
+        return take, False
+
+    def batch_end(self):
+        """New-token count at which a ``keep_going`` batch ends (the last row's first stop), or None."""
+        if not self.keep_going or len(self.stopped_at) < self.bsz:
+            return None
+        return max(self.stopped_at.values())
+
+    def trim(self, chunks: list) -> None:
+        """Cut every row's committed chunks at ``batch_end`` (rows may have committed past it)."""
+        end = self.batch_end()
+        for row in chunks if end is not None else ():
+            total = 0
+            for k, chunk in enumerate(row):
+                if total + len(chunk) >= end:
+                    row[k:] = [chunk[: end - total]]
+                    break
+                total += len(chunk)
+
     def timed_out(self) -> bool:
         probe = torch.zeros(1, 1, dtype=torch.long)
-        return any(bool(c(probe, None).any()) for c in self.timers)
+        return any(_fired(c(probe, None)) for c in self.timers)
+
+
+def _fired(answer) -> bool:
+    """A criterion's answer, as generate takes it (a bool, a bool tensor or a list of bools): any row set."""
+    return bool(torch.as_tensor(answer, dtype=torch.bool).any())
 
 
 class _Scores:

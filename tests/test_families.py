@@ -7,6 +7,8 @@ Targets are peaked (``tiny.peak``) so that a window off by one or a shifted posi
 output; the planted-bug notes on each test say what it was shown to catch.
 """
 
+import pathlib
+
 import pytest
 import torch
 import transformers
@@ -230,3 +232,47 @@ def test_gemma4_sampling_distribution_is_the_targets():
     counts = _sampled_counts(draft, target, prompt, 6000, 3, 0, temperature=0.8, top_k=0)
     stat, crit = _chi_square(counts, exact)
     assert stat < crit, (stat, crit)
+
+
+# ----------------------------------------------------------------------------- published generation configs
+
+GENERATION_CONFIGS = pathlib.Path(__file__).resolve().parent / "fixtures" / "generation_configs"
+# each published instruct checkpoint's generation_config.json (fixtures README: sources) on a target of its family
+PUBLISHED = {"gemma-2-2b-it": "gemma3", "gemma-3-1b-it": "gemma3", "Llama-3.1-8B-Instruct": "llama",
+             "Qwen3-Coder-480B-A35B-Instruct": "qwen3", "Mistral-7B-Instruct": "mistral",
+             "Phi-3-mini-4k-instruct": "phi3", "gpt-oss-20b": "gpt_oss"}
+
+
+def _published_target(name):
+    family = PUBLISHED[name]
+    target = tiny_target(family, peaked=True) if family in ("qwen3", "llama") else family_target(family)
+    target.generation_config = transformers.GenerationConfig.from_pretrained(GENERATION_CONFIGS,
+                                                                             config_file_name=f"{name}.json")
+    return target
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_generation_config_greedy_equals_generate_on_every_route(name):
+    """The target carries its checkpoint's published generation_config (Gemma 2/3: ``cache_implementation:
+    "hybrid"``, eos lists, sampling defaults, Qwen's repetition penalty); greedy output equals generate's
+    through spec_generate (batch 1 and ragged), custom_generate and a pipeline. Planted bug caught:
+    ``_static_request`` raising for a config's "hybrid" (the code before issue 22) fails both Gemma cases."""
+    from tiny import tiny_tokenizer
+
+    target, draft = _published_target(name), tiny_draft(block_size=4)
+    refs = [target.generate(PROMPTS[n], attention_mask=torch.ones_like(PROMPTS[n]), do_sample=False,
+                            max_new_tokens=12) for n in LENS[:2]]
+    for ref, n in zip(refs, LENS[:2]):
+        assert torch.equal(draft.spec_generate(target, PROMPTS[n], max_new_tokens=12, temperature=0.0), ref), n
+    ids, mask = _left_pad([PROMPTS[n] for n in LENS[:2]])
+    batch = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    assert torch.equal(draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12, temperature=0.0), batch)
+    folder = str(pathlib.Path(__file__).resolve().parents[1] / "pair" / "drafter")
+    out = target.generate(PROMPTS[LENS[0]], attention_mask=torch.ones_like(PROMPTS[LENS[0]]), do_sample=False,
+                          max_new_tokens=12, custom_generate=folder, trust_remote_code=True, assistant_model=draft)
+    assert torch.equal(out, refs[0])
+    pipe = transformers.pipeline("text-generation", model=target, tokenizer=tiny_tokenizer())
+    text = "w5 w17 w30 w2"
+    plain = pipe(text, max_new_tokens=8, do_sample=False)
+    assert pipe(text, max_new_tokens=8, do_sample=False, custom_generate=folder, trust_remote_code=True,
+                assistant_model=draft) == plain

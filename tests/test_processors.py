@@ -78,10 +78,12 @@ def test_sampled_distribution_with_processors_is_the_targets(case):
     assert stat < crit, (stat, crit)
 
 
-def _shifted_prefix(monkeypatch):
-    """Planted bug: processors see each prefix without its last token (shifted by one)."""
-    real = speculative_sampling._process_at
-    patch_called(monkeypatch, speculative_sampling, "_process_at",
+def _shifted_prefix(monkeypatch, user=False):
+    """Planted bug: processors see each prefix without its last token (shifted by one). The caller's own
+    processors go through ``process_rows`` (whole batch, rows in lockstep), transformers' through ``_process_at``."""
+    name = "process_rows" if user else "_process_at"
+    real = getattr(speculative_sampling, name)
+    patch_called(monkeypatch, speculative_sampling, name,
                  lambda procs, history, ids, lengths, ext, scores: real(procs, history, ids, lengths - 1, ext, scores))
 
 
@@ -109,7 +111,7 @@ def test_negative_control_typical_p_missing_on_the_target(monkeypatch):
 
 @pytest.mark.parametrize("case", ["user_processor", "prefix_allowed_tokens_fn"])
 def test_planted_shifted_prefix_fails_greedy_parity(oracle, monkeypatch, case):
-    _shifted_prefix(monkeypatch)
+    _shifted_prefix(monkeypatch, user=True)
     with pytest.raises(AssertionError):
         _check_parity(oracle, PROMPTS[:1], case, "partly")
 

@@ -170,7 +170,7 @@ def test_unsupported_calls_fall_back_to_the_dynamic_loop_with_one_info_log(case,
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"cache_implementation": "offloaded"}, "cache_implementation='offloaded'"),
+    ({"cache_implementation": "paged"}, "cache_implementation='paged'"),  # offloaded: test_user_calls.py
     ({"cache_implementation": "static", "compile_config": {"fullgraph": True}}, "must be a transformers CompileConfig"),
 ])
 def test_bad_static_arguments_are_rejected(kwargs, match):

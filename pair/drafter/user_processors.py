@@ -1,0 +1,1 @@
+../../user_processors.py
