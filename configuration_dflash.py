@@ -151,8 +151,8 @@ class DFlashConfig(PreTrainedConfig):
         target_model_id / target_revision (`str`, *optional*): the target this draft was trained for.
         vocab_size (`int`): the target's vocabulary size (the draft borrows its embedding and head).
         input_embedding_scale (`float`, *optional*): the block embedding is the RAW target embedding
-            row times this (default 1.0; the authors' and the engines' convention, never the output of
-            an embedding module that scales itself, see ``target_families.draft_block_embedding``).
+            row times this; unset: ``sqrt(hidden_size)`` on Gemma 3/4 targets (Gemma's own scale, as the
+            engines serve them), 1.0 otherwise (``target_families.draft_block_embedding``).
         output_multiplier / final_logit_softcapping (`float`, *optional*): draft logits are
             ``head(h) * output_multiplier``, then ``cap * tanh(logits / cap)`` (``draft_logits``).
             All three are read at top level or in ``dflash_config`` (nested wins) and saved nested.

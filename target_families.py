@@ -365,25 +365,46 @@ def longrope_block_limit(switch: int, committed: int, block_size: int) -> int:
 # ----------------------------------------------------------------------------- draft embedding / logits
 
 
+# Embedding modules of the families whose block embedding is the raw row x sqrt(hidden_size) (issue 26).
+_SQRT_HIDDEN_EMBEDDINGS = ("Gemma3TextScaledWordEmbedding", "Gemma4TextScaledWordEmbedding")
+
+
+def block_embedding_scale(config, embed):
+    """The factor on the raw target-embedding row of the draft block: a float, or None (the raw row).
+
+    ``config.input_embedding_scale`` when the drafter config sets it; else ``sqrt(hidden_size)`` for a
+    Gemma 3/4 target (its embedding module is ``Gemma3TextScaledWordEmbedding`` /
+    ``Gemma4TextScaledWordEmbedding``; ``hidden_size`` is the table's ``embedding_dim``), which is
+    Gemma's own scale and nothing else of the module; else None. Sources for the Gemma default: vLLM PR
+    #41703 (the Gemma 4 DFlash build the authors' instructions use: the drafter reads the target's
+    embedding with Gemma's ``normalizer``), SGLang ``srt/speculative/dflash_worker.py`` (the block
+    embedding from the target's embedding, which for Gemma carries the ``sqrt(hidden)`` scale), and
+    transformers 5.x ``generation/candidate_generator.py`` (``DFlashTokenCandidateGenerator.
+    _get_noise_embeds``: the embedding module's output, bypassing only an ``embed_norm``). Other families
+    (Muse Glimmer's normed embedding, Gemma 1/2, Qwen, Llama) keep the raw row.
+    """
+    scale = getattr(config, "input_embedding_scale", None)
+    if scale is None and any(c.__name__ in _SQRT_HIDDEN_EMBEDDINGS for c in type(embed).__mro__):
+        scale = float(torch.tensor(embed.embedding_dim ** 0.5, dtype=embed.weight.dtype))  # Gemma rounds it so
+    return scale
+
+
 def draft_block_embedding(config, embed, ids: torch.LongTensor) -> torch.Tensor:
     """The embedding of the block ``[anchor, MASK, ...]`` fed to the draft: ``(B, b)`` ids -> ``(B, b, H)``.
 
-    Convention (one function, used by ``spec_generate`` and ``train/`` alike): the RAW row of the
-    target's input-embedding table times ``config.input_embedding_scale`` (default 1.0), never the
-    output of an embedding module that scales inside ``forward``. This is what the authors' code does
-    for every drafter, the published Gemma-4 one included (z-lab/dflash ``dflash/model.py``,
-    ``_raw_input_embeddings``: ``F.embedding(input_ids, target.get_input_embeddings().weight) * scale``
-    with ``scale = input_embedding_scale`` defaulting to 1.0) and what vLLM's DFlash drafter feeds (its
-    ``embed_input_ids`` reads the shared, unscaled ``embed_tokens``; Gemma's normaliser lives in the
-    Gemma model's forward). For targets whose embedding module does not scale (Qwen, Llama, Gemma 2)
-    this equals ``target.get_input_embeddings()(ids)``; for Gemma 3/4 (``*ScaledWordEmbedding``
-    multiplies by ``sqrt(hidden_size)``) it does not, and transformers 5.24's own DFlash candidate
-    generator (which feeds the module output) differs from the authors' drafters there.
+    Convention (one function, used by ``spec_generate``, the static path and ``train/`` alike): the RAW
+    row of the target's input-embedding table (never the output of an embedding module, which may
+    normalise or scale inside ``forward``) times [`block_embedding_scale`]: the drafter config's
+    ``input_embedding_scale`` if set, else ``sqrt(hidden_size)`` on Gemma 3/4 targets (rounded to the
+    table's dtype, as Gemma's own embedding and vLLM's normaliser round it: bf16 makes ``sqrt(3072)``
+    55.5), else 1. The authors' reference loop (z-lab/dflash ``dflash/model.py``,
+    ``_raw_input_embeddings``) multiplies by ``input_embedding_scale`` only; the serving engines and
+    transformers' DFlash generator add Gemma's scale, and the published Gemma 4 drafter is served there.
 
     An accelerate-offloaded table (weight on ``meta``) is brought in with the module's own hook
     (``pre_forward`` / ``post_forward``), so the raw row is read exactly.
     """
-    scale = getattr(config, "input_embedding_scale", None)
+    scale = block_embedding_scale(config, embed)
     weight, hook = embed.weight, getattr(embed, "_hf_hook", None)
     if weight.device.type == "meta" and hook is not None:
         hook.pre_forward(embed, ids)
@@ -439,7 +460,7 @@ def draft_device(draft) -> torch.device:
 FAMILY = sys.modules[__name__]
 
 __all__ = [
-    "FAMILY", "concat_taps", "draft_block_embedding", "draft_logits",
+    "FAMILY", "block_embedding_scale", "concat_taps", "draft_block_embedding", "draft_logits",
     "check_family", "check_rope", "check_tap", "decoder_parts", "draft_device", "execution_device",
     "layer_windows", "longrope_block_limit", "prefill_kwargs", "rope_switch", "sliding_target", "static_rope_reason",
     "target_mask", "text_config", "verify_budget", "window_masks",

@@ -14,17 +14,24 @@ Prints one JSON line after every measurement (so a run cut short still leaves fi
   random draft (tau about 1) and an oracle draft (full acceptance; the real draft forward still runs,
   then its logits are replaced by the target's own greedy tokens): ``c = seconds per verify step /
   seconds per token of plain target decoding`` (``target.generate``, dynamic cache), tau, peak memory.
+  Every time is the median of ``--repeats`` runs (3 by default) after a warm-up. Plain decoding per
+  token is ``(median N-token generate - median 1-token generate) / (N - 1)``: both medians are taken
+  separately, and a figure whose inputs make it non-positive or non-finite is not printed (its key is
+  null and ``refused`` says why, naming the inputs), nor is anything derived from it.
 * ``syncs`` (c): host-device synchronisations of spec_generate steps under
   ``torch.cuda.set_sync_debug_mode("warn")`` (one warning per sync), per verify step.
 
 ``--dry-run``: the same code on CPU at a tiny shape in fp32, the static path uncompiled (the compiled
 path is tested on CPU by tests/test_static_generate.py), so a typo fails in CI rather than on the GPU.
-Sync counting needs CUDA and reports ``cuda: false`` there. No figure here has been measured on a GPU yet.
+Sync counting needs CUDA and reports ``cuda: false`` there (the counts refused). No figure here has
+been measured on a GPU yet.
 """
 
 import argparse
 import json
+import math
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -56,8 +63,67 @@ def static_name(compile_config):
     return "static" if compile_config is None else "static_compiled"
 
 
+# Measured or derived figures: printed only when positive and finite, else null with a reason in ``refused``.
+FIGURES = ("s_per_token", "prefill_s", "decode_s", "first_call_s", "second_call_s", "compile_s", "c", "s_per_step",
+           "tau", "tokens_per_s", "speedup_vs_plain", "peak_gib")
+COUNTS = ("syncs_per_step", "syncs_prefill")  # printed when >= 0 and finite (0 syncs is a result)
+
+
 def emit(**record):
+    """Print one JSON line; a figure (``FIGURES``) that is not positive and finite, or a count (``COUNTS``)
+    that is negative, is replaced by null and its reason added to ``refused`` (reasons passed in ``refused``
+    are kept). Raises ValueError for a null figure without a reason (a bug in this script)."""
+    refused = dict(record.pop("refused", None) or {})
+    for key in FIGURES + COUNTS:
+        if key in refused:
+            record[key] = None
+            continue
+        if key not in record:
+            continue
+        value, low = record[key], 0 if key in COUNTS else None
+        if value is None:
+            raise ValueError(f"figure {key!r} is null without a reason")
+        ok = isinstance(value, (int, float)) and math.isfinite(value) and (value >= low if low is not None else value > 0)
+        if not ok:
+            record[key] = None
+            refused[key] = f"{key} = {value!r} is not {'>= 0' if low is not None else 'positive'} and finite"
+    if refused:
+        record["refused"] = refused
     print(json.dumps(record), flush=True)
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def per_unit_difference(long_s, short_s, units, what):
+    """``((long_s - short_s) / units, None)``, or ``(None, reason)`` when an input or the result is not
+    positive and finite: the reason names the figure and both inputs (a per-token time that is the
+    difference of two timings can come out negative when noise exceeds the difference)."""
+    value = (long_s - short_s) / units if units > 0 else float("nan")
+    if positive(long_s) and positive(short_s) and positive(value):
+        return value, None
+    return None, (f"{what} = ({long_s!r} s - {short_s!r} s) / {units} is not positive: the longer run did not take "
+                  f"longer than the shorter one (noise, or too few tokens to measure)")
+
+
+def ratio(num, den, what, den_why=None):
+    """``(num / den, None)`` or ``(None, reason)`` unless both are positive and finite."""
+    if den_why is not None:
+        return None, f"{what} needs {den_why}"
+    if positive(num) and positive(den):
+        return num / den, None
+    return None, f"{what} = {num!r} / {den!r} has an input that is not positive and finite"
+
+
+def median_s(fn, device, repeats):
+    """``(median seconds of fn() over repeats, the last result)``, synchronising the device around each."""
+    times, result = [], None
+    for _ in range(repeats):
+        t0 = sync(device)
+        result = fn()
+        times.append(sync(device) - t0)
+    return statistics.median(times), result
 
 
 def sync(device):
@@ -178,54 +244,79 @@ class Oracle:
             raise RuntimeError("the oracle draft never ran: patch the draft logits where the decode loops look them up")
 
 
-def plain_decode_s_per_token(target, ids, new_tokens, device):
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens)
-    target.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-    t0 = sync(device)
-    short = target.generate(ids, **{**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})
-    t1 = sync(device)
-    ref = target.generate(ids, **kwargs)
-    t2 = sync(device)
-    return ((t2 - t1) - (t1 - t0)) / (new_tokens - 1), ref, short
+def plain_decode_s_per_token(target, ids, new_tokens, device, repeats):
+    """Plain ``target.generate`` per token: ``(s_per_token or None, reason or None, prefill_s, decode_s, ref)``.
+
+    ``prefill_s`` is the median time of a 1-token generate (the prefill and one step), ``decode_s`` that of
+    a ``new_tokens`` generate, each over ``repeats`` runs after a warm-up; per token is their difference
+    over ``new_tokens - 1`` ([`per_unit_difference`], refused when not positive)."""
+    def gen(n):
+        return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                               min_new_tokens=n)
+
+    gen(4)  # warm-up
+    prefill_s, _ = median_s(lambda: gen(1), device, repeats)
+    decode_s, ref = median_s(lambda: gen(new_tokens), device, repeats)
+    per_token, why = per_unit_difference(decode_s, prefill_s, new_tokens - 1, "s_per_token")
+    return per_token, why, prefill_s, decode_s, ref
 
 
-def spec_step_s(draft, target, ids, new_tokens, block_size, device, **kwargs):
-    out = draft.spec_generate(target, ids, max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=[],
-                              block_size=block_size, output_timings=True, return_dict_in_generate=True, **kwargs)
-    steps = out.num_target_forwards - 1
-    return out.timings["decode_s"] / max(steps, 1), out
+def spec_times(draft, target, ids, new_tokens, block_size, repeats, **kwargs):
+    """Medians over ``repeats`` calls: ``(seconds per verify step, seconds per call, last output)``; a
+    step is ``timings["decode_s"] / (num_target_forwards - 1)`` (the prefill excluded)."""
+    steps_s, totals, out = [], [], None
+    for _ in range(repeats):
+        out = draft.spec_generate(target, ids, max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=[],
+                                  block_size=block_size, output_timings=True, return_dict_in_generate=True, **kwargs)
+        steps = out.num_target_forwards - 1
+        steps_s.append(out.timings["decode_s"] / steps if steps > 0 else float("nan"))
+        totals.append(out.timings["total_s"])
+    return statistics.median(steps_s), statistics.median(totals), out
 
 
-def check_speed(device, dtype, shape, draft_shape, prompt_len, new_tokens, compile_config, sync_tokens):
+def check_speed(device, dtype, shape, draft_shape, prompt_len, new_tokens, compile_config, sync_tokens, repeats):
     target, draft = build_pair(device, dtype, shape, draft_shape, block_size=16)
     ids = torch.randint(0, shape["vocab_size"] - 1, (1, prompt_len), device=device,
                         generator=torch.Generator(device).manual_seed(0))
-    plain_s, ref, _ = plain_decode_s_per_token(target, ids, new_tokens, device)
-    emit(check="speed", path="plain_target_decode", s_per_token=plain_s, prompt_len=prompt_len, new_tokens=new_tokens)
+    plain_s, plain_why, prefill_s, decode_s, ref = plain_decode_s_per_token(target, ids, new_tokens, device, repeats)
+    emit(check="speed", path="plain_target_decode", s_per_token=plain_s, prefill_s=prefill_s, decode_s=decode_s,
+         prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
+         refused={"s_per_token": plain_why} if plain_why else None)
     static = dict(cache_implementation="static", compile_config=compile_config)
     t0 = sync(device)
-    spec_step_s(draft, target, ids, new_tokens, 16, device, **static)  # compiles the draft and verify forwards
-    t1 = sync(device)
-    spec_step_s(draft, target, ids, new_tokens, 16, device, **static)
-    t2 = sync(device)
-    emit(check="compile", path=static_name(compile_config), block_size=16, first_call_s=round(t1 - t0, 2),
-         second_call_s=round(t2 - t1, 2), compile_s=round((t1 - t0) - (t2 - t1), 2))
+    spec_times(draft, target, ids, new_tokens, 16, 1, **static)  # compiles the draft and verify forwards
+    first_s = sync(device) - t0
+    second_s, _ = median_s(lambda: spec_times(draft, target, ids, new_tokens, 16, 1, **static), device, repeats)
+    if compile_config is None:
+        compile_s, compile_why = None, "the static path runs uncompiled here (dry run): nothing to compile"
+    else:
+        compile_s, compile_why = per_unit_difference(first_s, second_s, 1, "compile_s")
+    emit(check="compile", path=static_name(compile_config), block_size=16, first_call_s=round(first_s, 4),
+         second_call_s=round(second_s, 4), compile_s=compile_s, repeats=repeats,
+         refused={"compile_s": compile_why} if compile_why else None)
     check_syncs(draft, target, ids, device, compile_config, sync_tokens)
     runs = [("dynamic", 8, {}), ("dynamic", 16, {}), (static_name(compile_config), 16, static)]
+    plain_need = None if plain_why is None else f"plain decode per token, refused: {plain_why}"
     for path, b, kwargs in runs:
         for draft_kind in ("random", "oracle"):
             oracle = Oracle(ref) if draft_kind == "oracle" else None
             with oracle if oracle is not None else _null():
-                spec_step_s(draft, target, ids, new_tokens, b, device, **kwargs)  # warm-up
+                spec_times(draft, target, ids, new_tokens, b, 1, **kwargs)  # warm-up
                 reset_peak(device)
-                step_s, out = spec_step_s(draft, target, ids, new_tokens, b, device, **kwargs)
+                step_s, call_s, out = spec_times(draft, target, ids, new_tokens, b, repeats, **kwargs)
                 exact = bool(torch.equal(out.sequences, ref))
-            t_call = out.timings["total_s"]
-            emit(check="speed", path=path, block_size=b, draft=draft_kind, c=round(step_s / plain_s, 3),
-                 s_per_step=step_s, tau=round(sum(out.acceptance_lengths) / len(out.acceptance_lengths), 3),
-                 tokens_per_s=round(new_tokens / t_call, 2), speedup_vs_plain=round(plain_s * new_tokens / t_call, 3),
-                 peak_gib=peak_gib(device), equal_to_generate=exact)
+            refused = {}
+            c, refused["c"] = ratio(step_s, plain_s, "c", plain_need)
+            speedup, refused["speedup_vs_plain"] = ratio(plain_s * new_tokens if plain_s else None, call_s,
+                                                         "speedup_vs_plain", plain_need)
+            tokens_per_s, refused["tokens_per_s"] = ratio(new_tokens, call_s, "tokens_per_s")
+            if device.type != "cuda":
+                refused["peak_gib"] = "no CUDA: peak memory is tracked on CUDA only"
+            c, speedup, tokens_per_s = (None if v is None else round(v, 3) for v in (c, speedup, tokens_per_s))
+            emit(check="speed", path=path, block_size=b, draft=draft_kind, c=c, s_per_step=step_s,
+                 tau=round(sum(out.acceptance_lengths) / len(out.acceptance_lengths), 3), tokens_per_s=tokens_per_s,
+                 speedup_vs_plain=speedup, peak_gib=peak_gib(device), equal_to_generate=exact, repeats=repeats,
+                 refused={k: v for k, v in refused.items() if v})
 
 
 class _null:
@@ -267,9 +358,13 @@ def check_syncs(draft, target, ids, device, compile_config, tokens):
             run()  # warm-up: compiles, allocates
             results[(n, "syncs")] = count_syncs(run, device)
         steps = results[tokens].num_target_forwards - results[1].num_target_forwards
-        emit(check="syncs", path=path, cuda=device.type == "cuda", steps=steps,
-             syncs_per_step=round((results[(tokens, "syncs")] - results[(1, "syncs")]) / max(steps, 1), 2),
-             syncs_prefill=results[(1, "syncs")])
+        why = None if device.type == "cuda" else "no CUDA: syncs are counted by torch.cuda.set_sync_debug_mode only"
+        if why is None and steps <= 0:
+            why = f"{tokens} tokens took no more verify steps than 1 token ({steps})"
+        per_step = None if why else round((results[(tokens, "syncs")] - results[(1, "syncs")]) / steps, 2)
+        emit(check="syncs", path=path, cuda=device.type == "cuda", steps=steps, syncs_per_step=per_step,
+             syncs_prefill=None if why else results[(1, "syncs")],
+             refused={"syncs_per_step": why, "syncs_prefill": why} if why else None)
 
 
 # ----------------------------------------------------------------------------- main
@@ -278,7 +373,10 @@ def check_syncs(draft, target, ids, device, compile_config, tokens):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shape on CPU, fp32, static path uncompiled")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the median is printed (default 3)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     torch.manual_seed(0)
     cuda = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda" if cuda else "cpu")
@@ -291,14 +389,14 @@ def main(argv=None):
         compile_config = CompileConfig()  # inductor, mode="reduce-overhead": CUDA graphs
         check_exactness(device, [torch.bfloat16, torch.float16], None, new_tokens=64, n_prompts=4)
         check_speed(device, torch.bfloat16, QWEN3_8B, DRAFT_8B, prompt_len=256, new_tokens=128,
-                    compile_config=compile_config, sync_tokens=17)
+                    compile_config=compile_config, sync_tokens=17, repeats=args.repeats)
         torch.cuda.empty_cache()
         check_exactness(device, [torch.bfloat16, torch.float16], compile_config, new_tokens=64, n_prompts=4)
     else:
         compile_config = None  # the static path uncompiled: tests/test_static_generate.py compiles it on CPU
         check_exactness(device, [torch.float32], None, new_tokens=12, n_prompts=1)
         check_speed(device, torch.float32, TINY, DRAFT_TINY, prompt_len=9, new_tokens=12,
-                    compile_config=compile_config, sync_tokens=5)
+                    compile_config=compile_config, sync_tokens=5, repeats=args.repeats)
     emit(check="done")
 
 

@@ -1,6 +1,6 @@
 """Drafter configs: published fixtures per family load; keys that cannot be honoured are refused at
 load time naming the key; unknown keys warn once; the engine keys change the math exactly as stated
-(block embedding = raw table row x input_embedding_scale; logits x output_multiplier, soft-capped)."""
+(block embedding = raw table row x input_embedding_scale, sqrt(hidden) on Gemma 3/4 when unset; logits x output_multiplier, soft-capped)."""
 
 import json
 import logging
@@ -118,15 +118,18 @@ def _gemma3_target():
 
 @pytest.mark.parametrize("scale", [None, 2.5])
 def test_block_embedding_is_the_raw_row_times_input_embedding_scale(scale):
-    """Hand-computed: Gemma 3's embedding module multiplies by sqrt(40) inside forward; the draft gets
-    the raw table row (x scale). Planted bug caught: ``embed(ids) * scale`` (scaled twice)."""
+    """Hand-computed: the draft gets the raw table row x ``input_embedding_scale``; unset, x sqrt(40) on
+    a Gemma 3 target (Gemma's own scale, issue 26) and x 1 on a target whose embedding does not scale.
+    Planted bug caught: ``embed(ids) * scale`` (scaled twice)."""
     target = _gemma3_target()
     embed = target.get_input_embeddings()
     ids = torch.tensor([[5, 96, 96, 96]])
-    by_hand = embed.weight[ids] * (1.0 if scale is None else scale)
+    by_hand = embed.weight[ids] * (40 ** 0.5 if scale is None else scale)
     assert not torch.allclose(embed(ids), embed.weight[ids])  # the module scales: the convention matters
     config = tiny_draft_config(input_embedding_scale=scale)
     torch.testing.assert_close(draft_block_embedding(config, embed, ids), by_hand, rtol=0, atol=0)
+    plain = tiny_target().get_input_embeddings()
+    assert torch.equal(draft_block_embedding(tiny_draft_config(), plain, ids), plain.weight[ids])
 
 
 def test_spec_generate_feeds_the_draft_that_embedding(monkeypatch):

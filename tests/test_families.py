@@ -139,6 +139,31 @@ def test_gemma3n_is_refused_by_name():
         tiny_draft().spec_generate(target, PROMPTS[3], max_new_tokens=4, temperature=0.0)
 
 
+# ----------------------------------------------------------------------------- Gemma's block embedding
+
+
+@pytest.mark.parametrize("override", [None, 2.5])
+@pytest.mark.parametrize("name", [p for p in _family_params() if p.values[0] in ("gemma3", "gemma4")])
+def test_gemma_block_embedding_is_the_raw_row_times_sqrt_hidden(name, override):
+    """Gemma 3/4 targets: the draft block is the raw row x sqrt(hidden) (= the embedding module's own
+    output, nothing else), unless the drafter sets ``input_embedding_scale``; greedy output is the
+    target's either way. Planted bug caught: the raw row alone (the convention before issue 26)."""
+    target, draft = family_target(name), tiny_draft(block_size=4, input_embedding_scale=override)
+    embed, mask = target.get_input_embeddings(), draft.config.mask_token_id
+    seen = []
+    handle = draft.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["noise_embedding"]), with_kwargs=True)
+    try:
+        out = draft.spec_generate(target, PROMPTS[11], max_new_tokens=12, temperature=0.0)
+    finally:
+        handle.remove()
+    assert torch.equal(out, _generate(target, PROMPTS[11], 12))
+    block = torch.tensor([[int(out[0, 11]), mask, mask, mask]])
+    factor = 40 ** 0.5 if override is None else override
+    torch.testing.assert_close(seen[0], embed.weight[block] * factor, rtol=0, atol=0)
+    if override is None:
+        torch.testing.assert_close(seen[0], embed(block))
+
+
 # ----------------------------------------------------------------------------- RoPE switches
 
 

@@ -1,5 +1,6 @@
 """The notebooks in notebooks/ run top to bottom (executed with nbclient on transformers 5.x, where every
-cell has something to show) and are committed without outputs."""
+cell has something to show), print nothing on stderr (no warning, no text progress bar), leave no
+temporary folder behind, and are committed without outputs."""
 
 import os
 from pathlib import Path
@@ -43,8 +44,12 @@ def test_notebook_runs(path, tmp_path):
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
-                     if out.get("output_type") == "stream")
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    stderr = "".join(out.get("text", "") for out in outputs if out.get("output_type") == "stream" and out["name"] == "stderr")
+    assert not stderr, f"{path.name} printed on stderr:\n{stderr[-3000:]}"
+    left = [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own cache
+    assert not left, f"{path.name} left {left} in the temporary folder"
+    text = "\n".join(out.get("text", "") for out in outputs if out.get("output_type") == "stream")
     if path.stem == "01_quickstart":
         for line in ("identical to target.generate: True", "native path identical: True",
                      "custom_generate identical: True"):
@@ -54,3 +59,4 @@ def test_notebook_runs(path, tmp_path):
         assert text.count("identical to the target: True") == 2, text[-3000:]
     else:
         assert "custom_generate/generate.py" in text and "DFlashDraftModel" in text, text[-3000:]
+        assert "| auto_map: False" in text, text[-3000:]  # the engine-only folder has no auto_map

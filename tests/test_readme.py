@@ -81,3 +81,18 @@ def test_readme_chat_block_continues_from_the_cache_on_the_shipped_pair(monkeypa
     printed = capsys.readouterr().out
     assert "reuse=False turn 2: 104 tokens in, prefill computed 104," in printed
     assert "reuse=True turn 2: 104 tokens in, prefill computed 20," in printed
+
+
+def test_blocks_on_the_tiny_pair_set_one_thread_and_say_why():
+    """Pasted on a multi-core machine, code on the shipped pair ran 10-40x slower than the README's
+    figures (issue 26): every python block that loads ``pair/`` sets one thread before loading, and the
+    text after the pair block states the measured effect. Planted: dropping the call fails."""
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    loading = [b for b in blocks if re.search(r"from_pretrained\(\s*\"pair/", b)]
+    assert loading, "no README block loads the shipped pair any more: update this test"
+    for block in loading:
+        call = re.search(r"^torch\.set_num_threads\(1\)", block, flags=re.MULTILINE)  # a statement, not a comment
+        assert call and call.start() < block.index("from_pretrained"), block
+    after = text[text.index(readme_blocks()["pair"]):][:2000]
+    assert "torch.set_num_threads(1)" in after and re.search(r"threads? .*took|took .*thread", after, flags=re.DOTALL)

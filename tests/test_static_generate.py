@@ -189,14 +189,49 @@ def test_saved_draft_runs_the_static_loop_from_its_own_remote_code(tmp_path):
 
 
 def test_gpu_check_dry_runs_on_cpu():
-    """bench/gpu_check.sh at the tiny shape on CPU: every section prints its JSON line."""
+    """bench/gpu_check.sh at the tiny shape on CPU: every section prints its JSON line, and every figure
+    printed is positive and finite (a figure left out is null with a reason in ``refused``). Planted bug
+    caught: plain decode per token from single-shot timings (printed negative on a loaded machine)."""
     env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], cwd=REPO, capture_output=True, text=True,
                           timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json
+    import math
 
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     kinds = {line["check"] for line in lines}
     assert {"versions", "exactness", "compile", "speed", "syncs", "done"} <= kinds, kinds
     assert all(line.get("ok", True) for line in lines if line["check"] == "exactness")
+    for line in lines:
+        refused = line.get("refused", {})
+        for key, value in line.items():
+            if isinstance(value, float):
+                assert math.isfinite(value) and value > 0, (key, line)
+            elif isinstance(value, int) and not isinstance(value, bool):
+                assert value >= 0, (key, line)
+            elif value is None and key not in ("first_divergence", "logit_margin"):
+                assert isinstance(refused.get(key), str) and refused[key], (key, line)
+    plain = next(line for line in lines if line.get("path") == "plain_target_decode")
+    assert plain["s_per_token"] is not None and plain["prefill_s"] < plain["decode_s"], plain
+    assert all(line["c"] is not None for line in lines if line["check"] == "speed" and "c" in line)
+
+
+def test_gpu_check_refuses_a_non_positive_derived_figure(capsys):
+    """A per-token time that is the difference of two timings is refused, naming both, when the longer
+    run was not longer; ``emit`` never prints a non-positive figure. Planted bug caught: without the
+    positivity check in ``per_unit_difference`` / ``emit`` the negative figure is printed."""
+    import json
+
+    from bench import gpu_check
+
+    value, why = gpu_check.per_unit_difference(0.10, 0.12, 11, "s_per_token")
+    assert value is None and "0.1 s - 0.12 s" in why
+    assert gpu_check.per_unit_difference(0.32, 0.10, 11, "s_per_token") == (pytest.approx(0.02), None)
+    assert gpu_check.ratio(1.0, None, "c")[0] is None and gpu_check.ratio(1.0, 2.0, "c") == (0.5, None)
+    gpu_check.emit(check="speed", s_per_token=-0.001, c=float("inf"), tau=2.0)
+    line = json.loads(capsys.readouterr().out)
+    assert line["s_per_token"] is None and line["c"] is None and line["tau"] == 2.0
+    assert "-0.001" in line["refused"]["s_per_token"] and "inf" in line["refused"]["c"]
+    with pytest.raises(ValueError, match="without a reason"):
+        gpu_check.emit(check="speed", c=None)
