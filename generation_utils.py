@@ -270,7 +270,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     recorder = _Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
                recorder=recorder)
-    static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch)
+    static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch, draft)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py
             static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run)
@@ -308,16 +308,19 @@ def _static_request(kwargs, generation_config, target):
     return True, compile_config
 
 
-def _static_loop(static, target, input_ids, mask, run, rope_switch=None):
+def _static_loop(static, target, input_ids, mask, run, rope_switch=None, draft=None):
     """``static_generate.static_decode`` (``compile_config`` bound) when the static loop was asked for
     and applies to this call, else None: the dynamic loop, with one info log saying why (also for a
     call crossing a longrope switch, ``rope_switch`` from ``target_families.check_rope``: only the
-    dynamic loop re-prefills there)."""
+    dynamic loop re-prefills there; and for a DFlash 2 ``draft``, whose selector walk is not in the
+    fixed-shape loop)."""
     if static is None:
         return None
     reason = static_unsupported_reason(target, input_ids, mask)
     if reason is None and (run.history is not None or run.recorder is not None):
         reason = "prefix-dependent processors, custom stopping criteria and output_scores/logits are dynamic-only"
+    if reason is None and getattr(draft, "candidate_selector", None) is not None:
+        reason = "a DFlash 2 drafter's candidate-selector walk is dynamic-only"
     if reason is None and rope_switch is not None:
         reason = f"crossing the longrope switch (sequence length {rope_switch + 1}) re-prefills, which is dynamic-only"
     if reason is not None:
@@ -326,7 +329,8 @@ def _static_loop(static, target, input_ids, mask, run, rope_switch=None):
     return functools.partial(static_decode, compile_config=static[1])
 
 
-def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
+def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id,
+                  slot_states=False):
     """One draft pass over ``[anchor, MASK x (b-1)]`` at positions ``start..start+b-1`` per row.
 
     Args:
@@ -335,7 +339,9 @@ def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, sta
             yet in ``draft_cache``, their positions ``(B, C)`` and validity ``(B, C)``.
         draft_valid: ``(B, cache_len)`` validity of the cached slots, or None when all are valid.
 
-    Returns draft logits ``(B, b-1, V)`` for slots 1..b-1; ``draft_cache`` keeps context K/V only.
+    Returns draft logits ``(B, b-1, V)`` for slots 1..b-1; with ``slot_states`` (a DFlash 2 drafter, whose
+    candidate selector also reads the slots' states) ``(logits, slot_hidden (B, b-1, H))``
+    (``DFlash2DraftModel.selector_inputs``). ``draft_cache`` keeps context K/V only.
     """
     bsz = anchor.shape[0]
     noise = torch.cat([anchor, anchor.new_full((bsz, b - 1), mask_token_id)], dim=1)
@@ -350,6 +356,9 @@ def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, sta
     hidden = draft(position_ids=torch.cat([ctx.positions, block_pos], dim=1), noise_embedding=noise_embedding,
                    target_hidden=ctx.features, past_key_values=draft_cache, use_cache=True, attention_mask=key_valid)
     crop_cache(draft_cache, kept)  # block K/V are thrown away
+    if slot_states:
+        slot_hidden, logits = draft.selector_inputs(hidden, head)
+        return logits, slot_hidden
     return _families.draft_logits(draft.config, head, hidden[:, 1:])
 
 
@@ -401,6 +410,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
     switch this call crosses (``target_families.check_rope``), else None."""
     device, bsz, out = input_ids.device, input_ids.shape[0], run.out
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    selector = getattr(draft, "candidate_selector", None)  # DFlash 2: drafts by its candidate-selector walk
     cache_kw = _cache_kwarg(target)
     target_cache, draft_cache = new_target_cache(target), DynamicCache()
     budget = run.stops.budget
@@ -433,9 +443,10 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         positions = rows.start[:, None] + offsets[:b]  # (A, b)
         block, q = rows.anchor, None
         if b > 1:
-            logits = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
-                                   rows.start, b, mask_token_id)
-            drafts, q = sampling.propose(logits, rows)
+            walk = {"slot_states": True} if selector is not None else {}  # DFlash 1 calls stay as they were
+            drafted = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
+                                    rows.start, b, mask_token_id, **walk)
+            drafts, q = sampling.walk(selector, *drafted, rows) if walk else sampling.propose(drafted, rows)
             block = torch.cat([rows.anchor, drafts.to(device)], dim=1)  # (A, b)
             rows.context_drafted(draft_cache.get_seq_length())
             out.num_draft_forwards += 1
