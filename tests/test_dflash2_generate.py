@@ -1,0 +1,229 @@
+"""DFlash 2 drafters in the decode loop (issue 21, generation half): the candidate-selector walk drafts
+every block of ``spec_generate``, the ``custom_generate`` route and pipelines.
+
+Greedy: oracle drafts enter THROUGH the selector. Each step, the oracle sets the unary logits of every
+mask slot so that their argmax is a decoy (the oracle token + 1, always wrong) with the oracle token
+second, and programs the selector (hidden projection, predecessor and successor codebooks) so that
+the bilinear term adds a bonus to the oracle token only when the walk's previous token is the oracle's
+previous token (the anchor at slot 0). A draft is therefore accepted only if the loop ran the walk and
+threaded its chosen predecessors: without the selector every draft is the decoy, and
+``max(acceptance) == block`` proves the walk was consulted. Targets: a dense Qwen3, a sliding-window
+Mistral, a hybrid Qwen3.5 and a ``MuseGlimmerForConditionalGeneration`` (5.24).
+
+Sampling: a chi-square test of the first generated tokens against the target's exact distribution,
+with a selector whose bilinear term changes the walked path (asserted), rejecting two planted bugs.
+"""
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+import dflash2
+import generation_utils
+from configuration_dflash import DFlashConfig
+from family_targets import family_target
+from modeling_dflash import DFlash2DraftModel, DFlashDraftModel
+from patching import patch_called
+from tiny import HIDDEN, MASK_ID, VOCAB, peak, tiny_draft_config, tiny_target
+
+IS_5 = int(transformers.__version__.split(".")[0]) >= 5
+LENS = (3, 11, 20)
+NEW = 25
+PROMPTS = {n: torch.randint(0, 90, (1, n), generator=torch.Generator().manual_seed(200 + n)) for n in LENS}
+DFLASH2 = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=HIDDEN, selector_top_k=4)
+
+
+@torch.no_grad()
+def dflash2_draft(seed=1, **overrides) -> DFlash2DraftModel:
+    """A tiny DFlash 2 drafter with random (non-identity) convolutions and selector, fp32, eval."""
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(tiny_draft_config(**{**DFLASH2, "block_size": 4, **overrides})).eval()
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "_conv." in name or name.startswith("candidate_selector."):
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    return model
+
+
+def loaded(draft, tmp_path, remote=False):
+    """``draft`` saved and loaded back: through ``DFlashDraftModel.from_pretrained`` (this repository's
+    modules, which the oracle patches), or ``AutoModel`` + ``trust_remote_code`` (the folder's copies)."""
+    draft.save_pretrained(tmp_path / "drafter")
+    if remote:
+        model = transformers.AutoModel.from_pretrained(tmp_path / "drafter", trust_remote_code=True, dtype=torch.float32)
+    else:
+        model = DFlashDraftModel.from_pretrained(str(tmp_path / "drafter"), dtype=torch.float32)
+    assert type(model).__name__ == "DFlash2DraftModel"
+    return model.eval()
+
+
+def generate(target, ids, n, **kwargs):
+    return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, **kwargs)
+
+
+def left_pad(prompts):
+    width = max(p.shape[1] for p in prompts)
+    ids, mask = torch.zeros((len(prompts), width), dtype=torch.long), torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------- the oracle, through the selector
+
+DECOY, ORACLE, BONUS = 10.0, 8.0, 5.0  # unary logits of the decoy and the oracle token; the bilinear bonus
+
+
+@torch.no_grad()
+def program_selector(selector, slot_hidden, expected_prev, expected_next):
+    """Set ``selector`` so that slot ``(i, j)`` of this block scores ``+BONUS`` for candidate
+    ``expected_next[i, j]`` exactly when the walk's previous token is ``expected_prev[i, j]``
+    (``expected_next = -1``: no bonus). ``slot_hidden`` ``(A, n, H)`` are the real draft states: the
+    hidden projection maps state ``(i, j)`` to the unit vector ``e_{i n + j}`` (least squares; checked),
+    the predecessor codebook puts 1 at ``[expected_prev, i n + j]``, the successor codebook ``BONUS`` at
+    ``[expected_next, i n + j]``: score = unary + sum_r A[prev, r] (P h)_r B[c, r]."""
+    a, n, h = slot_hidden.shape
+    rank = selector.hidden_projection.weight.shape[0]
+    assert a * n <= min(rank, h), "the oracle needs one selector rank per slot of the block"
+    states = slot_hidden.reshape(a * n, h).double()  # (m, H)
+    projection = torch.zeros(rank, h, dtype=torch.float64)
+    projection[: a * n] = torch.linalg.pinv(states.T)  # (m, H): projection @ states.T = I_m
+    assert torch.allclose(projection[: a * n] @ states.T, torch.eye(a * n, dtype=torch.float64), atol=1e-3), \
+        "draft states of this block are not independent"
+    predecessor = torch.zeros(VOCAB, rank)
+    successor = torch.zeros(VOCAB, rank)
+    index = torch.arange(a * n)
+    predecessor[expected_prev.reshape(-1), index] = 1.0
+    wanted = expected_next.reshape(-1)
+    successor[wanted.clamp_min(0)[wanted >= 0], index[wanted >= 0]] = BONUS
+    selector.hidden_projection.weight.copy_(projection.float())
+    selector.predecessor_codebook.copy_(predecessor)
+    selector.successor_codebook.copy_(successor)
+
+
+def install_oracle(monkeypatch, refs, pattern=lambda step, row, n: (n, 1, 0)[(step + row) % 3], inspect=None):
+    """Oracle for rows following ``refs`` (one ``(1, L)`` reference each): at step ``s`` row ``r`` gets
+    the bonus on its first ``pattern(s, r, n)`` slots (all / 1 / 0 by default: blocks fully, partly and
+    never accepted, rows of a batch accepting different counts); ``inspect(logits, slot_hidden)`` sees
+    what the loop's draft pass returned. Returns the list of steps seen."""
+    real, steps = generation_utils._draft_logits, []
+
+    def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id, slot_states=False):
+        assert slot_states, "a DFlash 2 drafter must be asked for its slot states"
+        logits, slot_hidden = real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id,
+                                   slot_states=True)
+        if inspect is not None:
+            inspect(logits, slot_hidden)
+        n = b - 1
+        unary = torch.zeros_like(logits)
+        prev, nxt = [], []
+        for i, (s, a) in enumerate(zip(start.tolist(), anchor[:, 0].tolist())):
+            r = next(r for r, ref in enumerate(refs) if ref.shape[1] > s and ref[0, s] == a)
+            want = torch.cat([refs[r][0, s + 1: s + b], torch.zeros(b, dtype=torch.long)])[:n]
+            unary[i, torch.arange(n), want] = ORACLE
+            unary[i, torch.arange(n), (want + 1) % VOCAB] = DECOY
+            prev.append(torch.cat([torch.tensor([a]), want[:-1]]))
+            bonus = want.clone()
+            bonus[pattern(len(steps), r, n):] = -1
+            nxt.append(bonus)
+        program_selector(draft.candidate_selector, slot_hidden, torch.stack(prev), torch.stack(nxt))
+        steps.append(start.tolist())
+        return unary, slot_hidden
+
+    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+    return steps
+
+
+def assert_greedy_batch_1_and_ragged(draft, target, monkeypatch, lens=LENS, new=NEW, inspect=None):
+    """spec_generate greedy == target.generate at batch 1 (drafts fully, partly, never accepted) and in a
+    ragged left-padded batch (rows accepting different counts), drafts from the selector only."""
+    prompts = [PROMPTS[n] for n in lens]
+    refs = [generate(target, p, new) for p in prompts]
+    assert len({tuple(r[0, -new:].tolist()) for r in refs}) == len(refs)  # not a degenerate target
+    steps = install_oracle(monkeypatch, refs, inspect=inspect)
+    block = draft.config.block_size
+    for r, p in enumerate(prompts):
+        out = draft.spec_generate(target, p, max_new_tokens=new, temperature=0.0, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, refs[r]), ("batch 1", r)
+        assert {1, 2, block} <= set(out.acceptance_lengths), out.acceptance_lengths  # block: the walk was consulted
+    ids, mask = left_pad(prompts)
+    steps.clear()
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=new, temperature=0.0,
+                              return_dict_in_generate=True)
+    assert steps, "the oracle was never consulted"
+    for r, p in enumerate(prompts):
+        assert torch.equal(out.sequences[r, ids.shape[1]:], refs[r][0, p.shape[1]:]), ("ragged row", r)
+    rows = out.row_acceptance_lengths
+    assert rows[0] != rows[1] != rows[2] and max(max(x) for x in rows) == block
+
+
+# ----------------------------------------------------------------------------- greedy, per target family
+
+
+def test_dense_qwen3_greedy_equals_generate_through_the_selector(monkeypatch, tmp_path):
+    """Planted bugs caught: the loop drafting the per-slot unary argmax (no walk: every draft is the
+    decoy, no block fully accepted); the walk's predecessor left at the anchor (slot 1+ lose the bonus)."""
+    target = tiny_target(peaked=True)
+    assert_greedy_batch_1_and_ragged(loaded(dflash2_draft(), tmp_path), target, monkeypatch)
+
+
+def test_sliding_window_mistral_greedy_equals_generate_through_the_selector(monkeypatch):
+    assert_greedy_batch_1_and_ragged(dflash2_draft(), family_target("mistral"), monkeypatch)
+
+
+needs_5 = pytest.mark.skipif(not IS_5, reason="Qwen3.5 and Muse Glimmer exist in transformers 5.x only (absent in 4.57)")
+
+
+@needs_5
+def test_hybrid_qwen3_5_greedy_equals_generate_through_the_selector(monkeypatch):
+    from test_hybrid import tiny_hybrid
+
+    draft = dflash2_draft(num_target_layers=4, target_layer_ids=[0, 3])
+    assert_greedy_batch_1_and_ragged(draft, tiny_hybrid("qwen3_5"), monkeypatch)
+
+
+def muse_glimmer_target(seed=0):
+    """A tiny peaked ``MuseGlimmerForConditionalGeneration`` (text input): sliding layers with window 6
+    and a NoPE full-attention layer, a normed embedding module, logits ``cap * tanh(head(h) * mult / cap)``."""
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=72, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=10, max_position_embeddings=512, sliding_window=6,
+                eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, patch_size=2,
+                  pos_emb_height=4, pos_emb_width=4)
+    config = transformers.MuseGlimmerConfig(text_config=text, vision_config=vision, image_token_id=90,
+                                            video_token_id=91, out_hidden_size=16, projector_hidden_size=16)
+    model = transformers.MuseGlimmerForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return peak(model)
+
+
+@needs_5
+def test_muse_glimmer_greedy_equals_generate_through_the_selector(monkeypatch):
+    """The block embedding is the raw embedding row (not Muse's normed module output) and the draft
+    logits are ``cap * tanh(head(h) * output_multiplier / cap)`` from the drafter's two keys."""
+    target = muse_glimmer_target()
+    text = target.config.text_config
+    draft = dflash2_draft(num_target_layers=4, target_layer_ids=[0, 3], output_multiplier=text.output_multiplier,
+                          final_logit_softcapping=text.final_logit_softcapping)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    seen = []
+
+    def check_inputs(module, args, kwargs):
+        block = kwargs["noise_embedding"][:, 1:]  # the MASK rows of [anchor, MASK x (b - 1)]
+        ids = torch.full(block.shape[:2], MASK_ID)
+        raw = torch.nn.functional.embedding(ids, embed.weight)
+        assert torch.equal(block, raw) and not torch.allclose(raw, embed(ids))
+        seen.append(1)
+
+    def check_logits(logits, slot_hidden):
+        cap, mult = text.final_logit_softcapping, text.output_multiplier
+        torch.testing.assert_close(logits, cap * torch.tanh(head(slot_hidden) * mult / cap), rtol=0, atol=1e-5)
+        seen.append(2)
+
+    draft.register_forward_pre_hook(check_inputs, with_kwargs=True)
+    assert_greedy_batch_1_and_ragged(draft, target, monkeypatch, inspect=check_logits)
+    assert {1, 2} <= set(seen)
