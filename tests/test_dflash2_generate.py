@@ -227,3 +227,120 @@ def test_muse_glimmer_greedy_equals_generate_through_the_selector(monkeypatch):
     draft.register_forward_pre_hook(check_inputs, with_kwargs=True)
     assert_greedy_batch_1_and_ragged(draft, target, monkeypatch, inspect=check_logits)
     assert {1, 2} <= set(seen)
+
+
+# ----------------------------------------------------------------------------- exact sampling
+
+SAMPLE_VOCAB, SAMPLE_ROWS = 8, 12000
+
+
+@torch.no_grad()
+def sampling_pair(seed=11, head=6.0, codebooks=0.6):
+    """A peaky vocab-8 target and a DFlash 2 drafter (3 mask slots, top-4 of 8, rank 8) whose bilinear term
+    draws stochastically and changes the walked path on most slots (bilinear term of the size of the unary logits)."""
+    dims = dict(hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    target = tiny_target(seed=seed, vocab_size=SAMPLE_VOCAB, **dims)
+    target.lm_head.weight.mul_(head)
+    draft = dflash2_draft(seed=seed + 1, vocab_size=SAMPLE_VOCAB, mask_token_id=SAMPLE_VOCAB - 1, selector_rank=8,
+                          **dims)
+    selector = draft.candidate_selector
+    gen = torch.Generator().manual_seed(seed)
+    for param in (selector.predecessor_codebook, selector.successor_codebook):
+        param.copy_(torch.randn(param.shape, generator=gen) * codebooks)
+    return target, draft
+
+
+def exact_drafted_pair(target, prompt, processors):
+    """Exact probabilities ``(V * V,)`` of generated tokens 2 and 3 (the first two that come out of a
+    verify step; token 1 is the prefill's), every prefix through the target with ``processors``."""
+    vocab = target.config.vocab_size
+    joint, prefixes = torch.ones(1, dtype=torch.float64), prompt
+    with torch.no_grad():
+        for _ in range(3):
+            scores = processors(prefixes, target(prefixes).logits[:, -1].float())
+            joint = (joint[:, None] * torch.softmax(scores, dim=-1).double()).reshape(-1)
+            prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0),
+                                  torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], dim=1)
+    return joint.view(vocab, vocab * vocab).sum(0)
+
+
+def watch_walks(monkeypatch, walk=dflash2.selector_walk):
+    """Count, over every walk of the loop, the slots where the bilinear term moved the choice off the
+    unary argmax (score argmax given the walk's predecessor != logits argmax). Returns [changed, slots]."""
+    import speculative_sampling
+
+    tally = [0, 0]
+
+    def watched(selector, hidden, logits, anchor_ids, **options):
+        drafted = walk(selector, hidden, logits, anchor_ids, **options)
+        best = drafted.candidates.gather(-1, drafted.candidate_q.argmax(-1, keepdim=True))[..., 0]
+        tally[0] += int((best != logits.argmax(-1)).sum())
+        tally[1] += best.numel()
+        return drafted
+
+    patch_called(monkeypatch, speculative_sampling, "selector_walk", watched)
+    return tally
+
+
+def sampled_stat(monkeypatch, walk=dflash2.selector_walk, seed=0, pair=None, **kwargs):
+    """(chi-square statistic, critical value, tally): generated tokens 2 and 3 of SAMPLE_ROWS copies of one
+    prompt (one batched call, block 4: token 3 is drafted after a drafted predecessor) vs the target's
+    exact distribution under the same processors and warpers (``test_sampling._chi_square``)."""
+    from transformers import GenerationConfig
+
+    from test_sampling import _chi_square
+
+    target, draft = pair or sampling_pair()
+    prompt = torch.tensor([[1, 4, 2, 5]])
+    tally = watch_walks(monkeypatch, walk)
+    out = draft.spec_generate(target, prompt.repeat(SAMPLE_ROWS, 1), max_new_tokens=4, do_sample=True,
+                              stop_token_ids=[], generator=torch.Generator().manual_seed(seed), **kwargs)
+    start = prompt.shape[1] + 1
+    counts = torch.bincount(out[:, start] * SAMPLE_VOCAB + out[:, start + 1], minlength=SAMPLE_VOCAB ** 2)
+    config = GenerationConfig(**{**target.generation_config.to_diff_dict(), "do_sample": True, **kwargs})
+    processors = target._get_logits_processor(generation_config=config, input_ids_seq_length=prompt.shape[1],
+                                              encoder_input_ids=prompt, prefix_allowed_tokens_fn=None,
+                                              logits_processor=None)
+    return (*_chi_square(counts, exact_drafted_pair(target, prompt, processors)), tally)
+
+
+SAMPLING_CASES = {"temperature": dict(temperature=0.7, top_k=0),
+                  "warpers_and_repetition_penalty": dict(temperature=0.7, top_k=6, top_p=0.95, repetition_penalty=1.5)}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_sampled_output_is_the_targets_distribution(case, monkeypatch):
+    """The walk samples from softmax(score / 0.7) over its candidates, its q enters the rejection test;
+    warpers act on the target only, the repetition penalty on each drafted slot too. The bilinear term
+    changes the walk's choice on at least a third of the slots."""
+    stat, crit, (changed, slots) = sampled_stat(monkeypatch, **SAMPLING_CASES[case])
+    assert changed >= slots / 3, f"the bilinear term changed only {changed}/{slots} slots: no teeth"
+    assert stat < crit, (stat, crit)
+
+
+def rescored_walk(predecessor: str, temperature=None):
+    """A walk with a planted bug: tokens drawn as ``selector_walk`` draws them, but q computed from the
+    greedy walk's predecessors (``predecessor="greedy"``) or at another temperature."""
+
+    def walk(selector, hidden, logits, anchor_ids, **options):
+        drafted = dflash2.selector_walk(selector, hidden, logits, anchor_ids, **options)
+        path = drafted.tokens
+        if predecessor == "greedy":
+            path = dflash2.selector_walk(selector, hidden, logits, anchor_ids).tokens
+        previous = torch.cat([anchor_ids.reshape(-1, 1), path[:, :-1]], dim=1)  # (B, n)
+        projected = selector.hidden_projection(hidden)
+        unary = logits.gather(-1, drafted.candidates)
+        scores = torch.stack([selector.score(unary[:, j], drafted.candidates[:, j], projected[:, j], previous[:, j])
+                              for j in range(path.shape[1])], dim=1)  # (B, n, k)
+        candidate_q = torch.softmax(scores / (temperature or options["temperature"]), dim=-1)
+        q = torch.zeros_like(drafted.q).scatter_(-1, drafted.candidates, candidate_q)
+        return dflash2.SelectorDraft(drafted.tokens, q, drafted.candidates, candidate_q)
+
+    return walk
+
+
+@pytest.mark.parametrize("bug", ["q_from_the_greedy_predecessor", "q_at_T1_drawing_at_T07"])
+def test_negative_controls_wrong_q_is_detected(bug, monkeypatch):
+    walk = rescored_walk("greedy") if bug == "q_from_the_greedy_predecessor" else rescored_walk("sampled", 1.0)
+    stat, crit, _ = sampled_stat(monkeypatch, walk=walk, **SAMPLING_CASES["temperature"])
+    assert stat > crit, (stat, crit)
