@@ -236,8 +236,8 @@ SAMPLE_VOCAB, SAMPLE_ROWS = 8, 12000
 
 @torch.no_grad()
 def sampling_pair(seed=11, head=6.0, codebooks=0.6):
-    """A peaky vocab-8 target and a DFlash 2 drafter (3 mask slots, top-4 of 8, rank 8) whose bilinear term
-    draws stochastically and changes the walked path on most slots (bilinear term of the size of the unary logits)."""
+    """A peaky vocab-8 target and a DFlash 2 drafter (3 mask slots, top-4 of 8, rank 8) whose walk draws
+    stochastically and whose bilinear term, of the size of the unary logits, moves most slots."""
     dims = dict(hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     target = tiny_target(seed=seed, vocab_size=SAMPLE_VOCAB, **dims)
     target.lm_head.weight.mul_(head)
@@ -297,7 +297,8 @@ def sampled_stat(monkeypatch, walk=dflash2.selector_walk, seed=0, pair=None, **k
                               stop_token_ids=[], generator=torch.Generator().manual_seed(seed), **kwargs)
     start = prompt.shape[1] + 1
     counts = torch.bincount(out[:, start] * SAMPLE_VOCAB + out[:, start + 1], minlength=SAMPLE_VOCAB ** 2)
-    config = GenerationConfig(**{**target.generation_config.to_diff_dict(), "do_sample": True, **kwargs})
+    fields = {k: v for k, v in kwargs.items() if k != "sample_draft"}
+    config = GenerationConfig(**{**target.generation_config.to_diff_dict(), "do_sample": True, **fields})
     processors = target._get_logits_processor(generation_config=config, input_ids_seq_length=prompt.shape[1],
                                               encoder_input_ids=prompt, prefix_allowed_tokens_fn=None,
                                               logits_processor=None)
@@ -305,6 +306,7 @@ def sampled_stat(monkeypatch, walk=dflash2.selector_walk, seed=0, pair=None, **k
 
 
 SAMPLING_CASES = {"temperature": dict(temperature=0.7, top_k=0),
+                  "greedy_walk_one_hot_q": dict(temperature=0.7, top_k=0, sample_draft=False),
                   "warpers_and_repetition_penalty": dict(temperature=0.7, top_k=6, top_p=0.95, repetition_penalty=1.5)}
 
 
@@ -344,3 +346,152 @@ def test_negative_controls_wrong_q_is_detected(bug, monkeypatch):
     walk = rescored_walk("greedy") if bug == "q_from_the_greedy_predecessor" else rescored_walk("sampled", 1.0)
     stat, crit, _ = sampled_stat(monkeypatch, walk=walk, **SAMPLING_CASES["temperature"])
     assert stat > crit, (stat, crit)
+
+
+# ----------------------------------------------------------------------------- processors, batches, options
+
+
+def test_prefix_dependent_processor_sees_the_walks_own_prefix_at_every_slot(monkeypatch):
+    """``no_repeat_ngram_size=1`` bans every token already in the row: applied per slot with the tokens the
+    walk chose before it, no drafted block repeats a token of its row (without the processor in the walk,
+    blocks do), and the output is generate's. Planted bug caught: the walk without ``process``."""
+    target, draft = tiny_target(peaked=True), dflash2_draft(block_size=8)
+    ids, mask = left_pad([PROMPTS[3], PROMPTS[11]])
+    blocks = []
+    import speculative_sampling
+
+    def watched(selector, hidden, logits, anchor_ids, **options):
+        drafted = dflash2.selector_walk(selector, hidden, logits, anchor_ids, **options)
+        blocks.extend(torch.cat([anchor_ids.reshape(-1, 1), drafted.tokens], dim=1).tolist())
+        return drafted
+
+    patch_called(monkeypatch, speculative_sampling, "selector_walk", watched)
+    for kwargs, repeats in ((dict(), True), (dict(no_repeat_ngram_size=1), False)):
+        blocks.clear()
+        out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12, temperature=0.0, **kwargs)
+        for r, n in enumerate((3, 11)):
+            ref = generate(target, PROMPTS[n], 12, **kwargs)
+            assert torch.equal(out[r, ids.shape[1]:], ref[0, n:]), (kwargs, r)
+        assert any(len(set(b)) < len(b) for b in blocks) == repeats, (kwargs, blocks)
+
+
+def test_ragged_batch_with_processors_equals_each_row_alone(monkeypatch):
+    """Greedy with a repetition penalty, n-gram blocking and bad words (per-row prefixes, applied to each
+    walked slot), oracle drafts through the selector: each row of a left-padded batch == that row alone ==
+    target.generate under the same processors, with blocks fully, partly and never accepted."""
+    target, draft = tiny_target(peaked=True), dflash2_draft()
+    options = dict(repetition_penalty=1.4, no_repeat_ngram_size=3, bad_words_ids=[[5], [7, 8]])
+    refs = [generate(target, PROMPTS[n], NEW, **options) for n in LENS]
+    install_oracle(monkeypatch, refs)
+    ids, mask = left_pad([PROMPTS[n] for n in LENS])
+    batch = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=NEW, temperature=0.0,
+                                return_dict_in_generate=True, **options)
+    for r, n in enumerate(LENS):
+        alone = draft.spec_generate(target, PROMPTS[n], max_new_tokens=NEW, temperature=0.0, **options)
+        assert torch.equal(batch.sequences[r, ids.shape[1]:], alone[0, n:]), r
+        assert torch.equal(alone, refs[r]), r
+    rows = batch.row_acceptance_lengths
+    assert rows[0] != rows[1] != rows[2] and {1, 2, draft.config.block_size} <= set(batch.acceptance_lengths), rows
+
+
+def test_sampled_ragged_batch_row_equals_the_row_alone_when_the_target_is_certain():
+    """Sampling with ``top_k=1`` on the target (generate's tokens whatever the draws) through a sampled walk:
+    a ragged batch, each row alone and generate agree."""
+    target, draft = tiny_target(peaked=True), dflash2_draft()
+    ids, mask = left_pad([PROMPTS[n] for n in LENS])
+    options = dict(do_sample=True, top_k=1, temperature=0.7, max_new_tokens=NEW)
+    batch = draft.spec_generate(target, ids, attention_mask=mask, generator=torch.Generator().manual_seed(0), **options)
+    for r, n in enumerate(LENS):
+        ref = generate(target, PROMPTS[n], NEW)
+        assert torch.equal(batch[r, ids.shape[1]:], ref[0, n:]), r
+
+
+def test_streaming_statistics_plot_and_static_request(caplog):
+    """Streamer chunks, tau and per-slot statistics, the plot; ``cache_implementation="static"`` runs the
+    dynamic loop with one info log naming DFlash 2, with the same tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.tokens, self.ended = [], False
+
+        def put(self, value):
+            self.tokens.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    target, draft = tiny_target(peaked=True), dflash2_draft()
+    prompt = PROMPTS[11]
+    ref = generate(target, prompt, NEW)
+    streamer = Collect()
+    out = draft.spec_generate(target, prompt, max_new_tokens=NEW, temperature=0.0, streamer=streamer,
+                              return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref) and streamer.ended
+    assert streamer.tokens[0] == prompt[0].tolist() and sum(streamer.tokens[1:], []) == ref[0, 11:].tolist()
+    assert sum(out.acceptance_lengths) == NEW - 1 and len(out.slot_acceptance()) == draft.config.block_size - 1
+    fig = out.plot(block_size=draft.config.block_size)
+    assert len(fig.axes) == 2
+    with caplog.at_level(logging.INFO):
+        static = draft.spec_generate(target, prompt, max_new_tokens=NEW, temperature=0.0, cache_implementation="static")
+    assert torch.equal(static, ref)
+    logs = [r.getMessage() for r in caplog.records if "falls back to the dynamic loop" in r.getMessage()]
+    assert logs == ["cache_implementation='static' falls back to the dynamic loop: a DFlash 2 drafter's "
+                    "candidate-selector walk is dynamic-only"]
+
+
+# ----------------------------------------------------------------------------- generate() routes
+
+
+def selector_calls(draft):
+    """Counts the walks (each calls the selector's hidden projection once); a list, one entry per walk."""
+    calls = []
+    draft.candidate_selector.hidden_projection.register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+def test_custom_generate_and_pipeline_routes_run_the_walk(tmp_path):
+    """``target.generate(custom_generate=<folder>, trust_remote_code=True, assistant_model=draft)`` and a
+    text-generation pipeline with the same arguments: generate's tokens, the folder's selector walked."""
+    from tiny import tiny_tokenizer
+
+    target = tiny_target(peaked=True)
+    draft = loaded(dflash2_draft(), tmp_path, remote=True)
+    calls = selector_calls(draft)
+    folder = str(tmp_path / "drafter")
+    for n in LENS:
+        ref = generate(target, PROMPTS[n], NEW)
+        out = target.generate(PROMPTS[n], attention_mask=torch.ones_like(PROMPTS[n]), do_sample=False,
+                              max_new_tokens=NEW, custom_generate=folder, trust_remote_code=True, assistant_model=draft)
+        assert torch.equal(out, ref), n
+    assert calls, "custom_generate never walked the selector"
+    tok = tiny_tokenizer()
+    pipe = transformers.pipeline("text-generation", model=target, tokenizer=tok)
+    text = " ".join(f"w{i}" for i in PROMPTS[11][0].tolist())
+    plain = pipe(text, max_new_tokens=NEW, do_sample=False)
+    calls.clear()
+    fast = pipe(text, max_new_tokens=NEW, do_sample=False, custom_generate=folder, trust_remote_code=True,
+                assistant_model=draft)
+    assert fast == plain and calls, "the pipeline never walked the selector"
+
+
+@pytest.mark.skipif(not IS_5, reason="transformers' native DFlash loop (speculation_type='dflash') exists from 5.x")
+def test_native_route_runs_the_backbone_with_one_warning_naming_the_selector_routes(caplog):
+    from modeling_dflash import native_dflash_available
+
+    if not native_dflash_available():
+        pytest.skip("this transformers 5.x has no native DFlash candidate generator")
+    target, draft = tiny_target(peaked=True), dflash2_draft()
+    calls = selector_calls(draft)
+    ref = generate(target, PROMPTS[11], NEW)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            out = target.generate(PROMPTS[11], attention_mask=torch.ones_like(PROMPTS[11]), do_sample=False,
+                                  max_new_tokens=NEW, assistant_model=draft, speculation_type="dflash")
+            assert torch.equal(out, ref)
+    warned = [r.getMessage() for r in caplog.records if "without its candidate selector" in r.getMessage()]
+    assert len(warned) == 1 and "spec_generate" in warned[0] and "custom_generate=" in warned[0]
+    assert not calls  # the native loop drafts from the logits alone
