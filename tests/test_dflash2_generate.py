@@ -495,3 +495,33 @@ def test_native_route_runs_the_backbone_with_one_warning_naming_the_selector_rou
     warned = [r.getMessage() for r in caplog.records if "without its candidate selector" in r.getMessage()]
     assert len(warned) == 1 and "spec_generate" in warned[0] and "custom_generate=" in warned[0]
     assert not calls  # the native loop drafts from the logits alone
+
+
+def _parity_cases():
+    from test_generate_parity import CASES
+
+    return list(CASES)
+
+
+@pytest.mark.parametrize("case", _parity_cases())
+def test_every_generate_argument_of_the_dflash1_parity_suite(case, monkeypatch):
+    """test_generate_parity's cases (processors, lengths, eos lists, bad words, sequence bias,
+    ``prefix_allowed_tokens_fn``, a user processor, ...) with a DFlash 2 drafter in a ragged batch, oracle
+    drafts through the selector: generate's tokens, and its scores and logits while a row is running."""
+    from test_generate_parity import CASES, PROMPTS as PARITY_PROMPTS, TARGET, _left_pad
+
+    ids, mask = _left_pad(PARITY_PROMPTS)
+    kwargs = dict(CASES[case], max_new_tokens=20, pad_token_id=0, do_sample=False)
+    ref = TARGET.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True,
+                          output_logits=True, **kwargs)
+    pads = (mask.shape[1] - mask.sum(1)).tolist()
+    steps = install_oracle(monkeypatch, [ref.sequences[r:r + 1, p:] for r, p in enumerate(pads)])
+    out = dflash2_draft(block_size=6).spec_generate(TARGET, ids, attention_mask=mask, return_dict_in_generate=True,
+                                                    output_scores=True, output_logits=True, **kwargs)
+    assert steps and torch.equal(out.sequences, ref.sequences), case
+    assert max(out.acceptance_lengths) > 1, "no draft accepted: the oracle did not reach the walk"
+    for name in ("scores", "logits"):  # NaN after a row's last token (stopping_criteria._Scores); generate's pads
+        got, want = torch.stack(getattr(out, name)), torch.stack(getattr(ref, name))
+        kept = ~got.isnan().all(-1)
+        assert kept.any(0).all() and torch.equal(kept, ~got.isnan().any(-1))
+        torch.testing.assert_close(got[kept], want[kept], rtol=1e-4, atol=1e-4)
