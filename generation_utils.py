@@ -122,7 +122,10 @@ def spec_generate(
     distribution under the same processors.
 
     Args:
-        draft: a ``DFlashDraftModel``.
+        draft: a ``DFlashDraftModel``. A ``DFlash2DraftModel`` drafts each block by its candidate-selector
+            walk (``dflash2.selector_walk``): logits processors act on each slot's draft logits with the
+            prefix the walk chose before it, warpers on the target only, and under sampling the walk's
+            ``softmax(score / temperature)`` rows are the q of the rejection test (issue 21).
         target: the causal LM the draft was trained for (any device/dtype; features are cast).
         input_ids: ``(B, prompt_len)`` integer tensor (any integer dtype); rows of different lengths are
             LEFT padded and described by ``attention_mask`` (1 = real token).
@@ -137,7 +140,7 @@ def spec_generate(
         sample_draft: under sampling, draw draft tokens from the draft's processed distribution q
             (default) rather than taking its argmax. Acceptance is then ``sum_x min(p, q)``, which
             tends to 1 as the draft matches the target; a one-hot draft is accepted with
-            ``p(argmax q) <= max p``. Both are exact.
+            ``p(argmax q) <= max p``. Both are exact. A DFlash 2 walk draws or takes its argmax alike.
         block_size: per-call block size, an integer in ``[1, draft.config.block_size]``.
         attention_mask: ``(B, prompt_len)`` 0/1, left padding only.
         generation_config: a ``GenerationConfig`` merged with ``target.generation_config`` as generate does.

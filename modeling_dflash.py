@@ -610,9 +610,9 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
 
 NATIVE_DFLASH2_WARNING = (
     "transformers' native DFlash loop (speculation_type=\"dflash\") runs this DFlash 2 drafter without its "
-    "candidate selector: each slot drafts from its own logits (still lossless; acceptance is the backbone's). The selector walk "
-    "runs in draft.spec_generate(target, ...) and target.generate(..., custom_generate=<drafter folder or repo>, "
-    "assistant_model=draft, trust_remote_code=True)")
+    "candidate selector: each slot drafts from its own logits (still lossless; acceptance is the backbone's). "
+    "The selector walk runs in draft.spec_generate(target, ...) and target.generate(..., custom_generate=<drafter "
+    "folder or repo>, assistant_model=draft, trust_remote_code=True)")
 
 
 class DFlash2DraftModel(DFlashDraftModel):
@@ -644,7 +644,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         generator, ``generate(assistant_model=draft, speculation_type="dflash")``, 5.x), which drafts each
         slot from its logits alone: the first such call logs one warning that the selector is not used
         there (still lossless) and names the two routes that run it."""
-        if not self._native_warned and any(kwargs.get(k) is not None for k in ("noise_embeds", "context_hidden_states", "cache")):
+        native = ("noise_embeds", "context_hidden_states", "cache")
+        if not self._native_warned and any(kwargs.get(k) is not None for k in native):
             self._native_warned = True
             import logging
 

@@ -22,7 +22,6 @@ import transformers
 
 import dflash2
 import generation_utils
-from configuration_dflash import DFlashConfig
 from family_targets import family_target
 from modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 from patching import patch_called
@@ -52,7 +51,8 @@ def loaded(draft, tmp_path, remote=False):
     modules, which the oracle patches), or ``AutoModel`` + ``trust_remote_code`` (the folder's copies)."""
     draft.save_pretrained(tmp_path / "drafter")
     if remote:
-        model = transformers.AutoModel.from_pretrained(tmp_path / "drafter", trust_remote_code=True, dtype=torch.float32)
+        model = transformers.AutoModel.from_pretrained(tmp_path / "drafter", trust_remote_code=True,
+                                                       dtype=torch.float32)
     else:
         model = DFlashDraftModel.from_pretrained(str(tmp_path / "drafter"), dtype=torch.float32)
     assert type(model).__name__ == "DFlash2DraftModel"
@@ -65,7 +65,8 @@ def generate(target, ids, n, **kwargs):
 
 def left_pad(prompts):
     width = max(p.shape[1] for p in prompts)
-    ids, mask = torch.zeros((len(prompts), width), dtype=torch.long), torch.zeros((len(prompts), width), dtype=torch.long)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
     return ids, mask
@@ -173,7 +174,8 @@ def test_sliding_window_mistral_greedy_equals_generate_through_the_selector(monk
     assert_greedy_batch_1_and_ragged(dflash2_draft(), family_target("mistral"), monkeypatch)
 
 
-needs_5 = pytest.mark.skipif(not IS_5, reason="Qwen3.5 and Muse Glimmer exist in transformers 5.x only (absent in 4.57)")
+needs_5 = pytest.mark.skipif(not IS_5,
+                             reason="Qwen3.5 and Muse Glimmer exist in transformers 5.x only (absent in 4.57)")
 
 
 @needs_5
