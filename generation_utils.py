@@ -131,7 +131,10 @@ def spec_generate(
     distribution under the same processors.
 
     Args:
-        draft: a ``DFlashDraftModel``.
+        draft: a ``DFlashDraftModel``. A ``DFlash2DraftModel`` drafts each block by its candidate-selector
+            walk (``dflash2.selector_walk``): logits processors act on each slot's draft logits with the
+            prefix the walk chose before it, warpers on the target only, and under sampling the walk's
+            ``softmax(score / temperature)`` rows are the q of the rejection test (issue 21).
         target: the causal LM the draft was trained for (any device/dtype; features are cast).
         input_ids: ``(B, prompt_len)`` integer tensor (any integer dtype); rows of different lengths are
             LEFT padded and described by ``attention_mask`` (1 = real token).
@@ -146,7 +149,7 @@ def spec_generate(
         sample_draft: under sampling, draw draft tokens from the draft's processed distribution q
             (default) rather than taking its argmax. Acceptance is then ``sum_x min(p, q)``, which
             tends to 1 as the draft matches the target; a one-hot draft is accepted with
-            ``p(argmax q) <= max p``. Both are exact.
+            ``p(argmax q) <= max p``. Both are exact. A DFlash 2 walk draws or takes its argmax alike.
         block_size: per-call block size, an integer in ``[1, draft.config.block_size]``.
         attention_mask: ``(B, prompt_len)`` 0/1, left padding only.
         generation_config: a ``GenerationConfig`` merged with ``target.generation_config`` as generate does.
@@ -309,7 +312,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     recorder = _Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
                recorder=recorder)
-    static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch, block_size, adaptive)
+    static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch, block_size, adaptive, draft)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py
             static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run)
@@ -378,18 +381,20 @@ def _log_dynamic(impl, where, reason):
     logger.info(f"cache_implementation={impl!r} (from {where}) runs spec_generate's dynamic loop: {reason}")
 
 
-def _static_loop(static, target, input_ids, mask, run, rope_switch=None, block_size=1, adaptive=False):
+def _static_loop(static, target, input_ids, mask, run, rope_switch=None, block_size=1, adaptive=False, draft=None):
     """``static_generate.static_decode`` (``compile_config`` bound) when the static loop was asked for
     and applies to this call, else None: the dynamic loop, with one info log saying why (also for a
     call crossing a longrope switch, ``rope_switch`` from ``target_families.check_rope``: only the
     dynamic loop re-prefills there; for a call whose full blocks would pass a RoPE switch:
-    ``target_families.static_rope_reason``; and for ``adaptive_block_size``, which only the dynamic
-    loop does)."""
+    ``target_families.static_rope_reason``; for ``adaptive_block_size``, which only the dynamic
+    loop does; and for a DFlash 2 ``draft``, whose selector walk is not in the fixed-shape loop)."""
     if static is None:
         return None
     reason = static_unsupported_reason(target, input_ids, mask)
     if reason is None and (run.history is not None or run.recorder is not None):
         reason = "prefix-dependent processors, custom stopping criteria and output_scores/logits are dynamic-only"
+    if reason is None and getattr(draft, "candidate_selector", None) is not None:
+        reason = "a DFlash 2 drafter's candidate-selector walk is dynamic-only"
     if reason is None and rope_switch is not None:
         reason = f"crossing the longrope switch (sequence length {rope_switch + 1}) re-prefills, which is dynamic-only"
     if reason is None:  # a full last block past a RoPE switch generate never reaches
@@ -405,7 +410,8 @@ def _static_loop(static, target, input_ids, mask, run, rope_switch=None, block_s
     return functools.partial(static_decode, compile_config=static[1])
 
 
-def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
+def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id,
+                  slot_states=False):
     """One draft pass over ``[anchor, MASK x (b-1)]`` at positions ``start..start+b-1`` per row.
 
     Args:
@@ -414,7 +420,9 @@ def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, sta
             yet in ``draft_cache``, their positions ``(B, C)`` and validity ``(B, C)``.
         draft_valid: ``(B, cache_len)`` validity of the cached slots, or None when all are valid.
 
-    Returns draft logits ``(B, b-1, V)`` for slots 1..b-1; ``draft_cache`` keeps context K/V only.
+    Returns draft logits ``(B, b-1, V)`` for slots 1..b-1; with ``slot_states`` (a DFlash 2 drafter, whose
+    candidate selector also reads the slots' states) ``(logits, slot_hidden (B, b-1, H))``
+    (``DFlash2DraftModel.selector_inputs``). ``draft_cache`` keeps context K/V only.
     """
     bsz = anchor.shape[0]
     noise = torch.cat([anchor, anchor.new_full((bsz, b - 1), mask_token_id)], dim=1)
@@ -429,6 +437,9 @@ def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, sta
     hidden = draft(position_ids=torch.cat([ctx.positions, block_pos], dim=1), noise_embedding=noise_embedding,
                    target_hidden=ctx.features, past_key_values=draft_cache, use_cache=True, attention_mask=key_valid)
     crop_cache(draft_cache, kept)  # block K/V are thrown away
+    if slot_states:
+        slot_hidden, logits = draft.selector_inputs(hidden, head)
+        return logits, slot_hidden
     return _families.draft_logits(draft.config, head, hidden[:, 1:])
 
 
@@ -481,6 +492,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
     holding the first tokens of ``input_ids`` (batch 1), continued in place (``cache_reuse.Resume``)."""
     device, bsz, out = input_ids.device, input_ids.shape[0], run.out
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    selector = getattr(draft, "candidate_selector", None)  # DFlash 2: drafts by its candidate-selector walk
     cache_kw = _cache_kwarg(target)
     resume = Resume(target, draft, passed_cache, bsz, rope_switch)  # the caches; the cached length n
     target_cache, draft_cache, n, draft = resume.target_cache, resume.draft_cache, resume.cached, resume.draft(draft)
@@ -515,9 +527,10 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         positions = rows.start[:, None] + offsets[:b]  # (A, b)
         block, q = rows.anchor, None
         if b > 1:
-            logits = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
-                                   rows.start, b, mask_token_id)
-            drafts, q = sampling.propose(logits, rows)
+            walk = {"slot_states": True} if selector is not None else {}  # DFlash 1 calls stay as they were
+            drafted = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
+                                    rows.start, b, mask_token_id, **walk)
+            drafts, q = sampling.walk(selector, *drafted, rows) if walk else sampling.propose(drafted, rows)
             block = torch.cat([rows.anchor, drafts.to(device)], dim=1)  # (A, b)
             rows.context_drafted(draft_cache.get_seq_length())
             out.num_draft_forwards += 1

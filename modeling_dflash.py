@@ -613,6 +613,13 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         return hidden_states + self.mlp_conv.finish(self.mlp(block_input), post)
 
 
+NATIVE_DFLASH2_WARNING = (
+    "transformers' native DFlash loop (speculation_type=\"dflash\") runs this DFlash 2 drafter without its "
+    "candidate selector: each slot drafts from its own logits (still lossless; acceptance is the backbone's). "
+    "The selector walk runs in draft.spec_generate(target, ...) and target.generate(..., custom_generate=<drafter "
+    "folder or repo>, assistant_model=draft, trust_remote_code=True)")
+
+
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash 2 drafter: the DFlash backbone with [`DFlash2DecoderLayer`] layers, plus the
     ``candidate_selector`` that walks the top-k candidates of each mask slot (``dflash2.py``).
@@ -636,6 +643,21 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.selector_rank,
                                                     config.selector_top_k, init_std=config.initializer_range)
         self.post_init()  # initialises the selector only: the backbone is marked initialised already
+
+    def forward(self, *args, **kwargs):
+        """[`DFlashDraftModel.forward`]. Called with transformers' native names (its DFlash candidate
+        generator, ``generate(assistant_model=draft, speculation_type="dflash")``, 5.x), which drafts each
+        slot from its logits alone: the first such call logs one warning that the selector is not used
+        there (still lossless) and names the two routes that run it."""
+        native = ("noise_embeds", "context_hidden_states", "cache")
+        if not self._native_warned and any(kwargs.get(k) is not None for k in native):
+            self._native_warned = True
+            import logging
+
+            logging.getLogger(__name__).warning(NATIVE_DFLASH2_WARNING)
+        return super().forward(*args, **kwargs)
+
+    _native_warned = False
 
     def _layer_masks(self, position_ids, q_len, past_len, attention_mask):
         if isinstance(attention_mask, dict):  # the packed multi-block form of training

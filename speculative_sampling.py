@@ -12,8 +12,10 @@ from transformers import LogitsProcessorList
 from transformers.generation import logits_process as _lp
 
 try:
+    from .dflash2 import selector_walk
     from .user_processors import lockstep, process_rows, replay, step_copies
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from dflash2 import selector_walk
     from user_processors import lockstep, process_rows, replay, step_copies
 
 
@@ -23,6 +25,12 @@ _PREFIX_FREE = tuple(getattr(_lp, name) for name in (
     "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
     "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper", "SuppressTokensLogitsProcessor",
     "LogitNormalization", "InfNanRemoveLogitsProcessor",
+) if hasattr(_lp, name))
+# Warpers reshape the target's distribution only when a DFlash 2 drafter walks its candidates (the walk
+# draws from softmax(score / T) over its top-k, as z-lab ``dflash_generate`` does); processors act on both.
+_WARPERS = tuple(getattr(_lp, name) for name in (
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
+    "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper",
 ) if hasattr(_lp, name))
 
 
@@ -194,6 +202,46 @@ class _Sampling:
             return tokens, None
         q = torch.stack(qs, dim=1)
         return tokens, (q if self.sample_draft else torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype))
+
+    def walk(self, selector, draft_logits: torch.Tensor, slot_hidden: torch.Tensor, rows):
+        """DFlash 2: draft tokens ``(A, n)`` and q ``(A, n, V)`` fp32 (None when greedy) by the candidate
+        selector's walk (``dflash2.selector_walk``) from each row's anchor ``rows.anchor`` ``(A, 1)``.
+
+        Processors (``procs`` less the warpers) act on each slot's full-vocabulary draft logits before its
+        top-k, with the row's prefix and the tokens the walk chose before that slot (``_at``: the caller's own
+        processors through this step's draft-side copies, ``user_processors.py``); the
+        warpers act on the target only. The walk samples (``do_sample`` and ``sample_draft``) from
+        ``softmax(score / T)`` over the slot's k candidates given the sampled predecessor, ``T`` generate's
+        temperature, and that is the q of the rejection test; otherwise it takes the argmax (q one-hot).
+        Without processors the walk is z-lab's ``DFlash2DraftModel.propose`` exactly (issue 21).
+
+        Args:
+            selector: the drafter's ``candidate_selector``.
+            draft_logits: ``(A, n, V)`` transformed draft logits; slot_hidden: ``(A, n, H)`` their states.
+        """
+        procs = LogitsProcessorList(p for p in self._step_procs() if not isinstance(p, _WARPERS))  # user ones: copies
+        logits, process = draft_logits.to(slot_hidden.device), None
+        if any(not isinstance(p, _PREFIX_FREE) for p in procs):
+
+            def process(slot, drafted, scores):  # (A, V) scores of `slot`, `drafted` (A, slot) walked so far
+                return self._at(procs, rows, drafted, scores)
+        elif len(procs):
+            a, n, v = logits.shape
+            logits = procs(logits.new_zeros(a * n, 1, dtype=torch.long), logits.reshape(a * n, v).float()).view(a, n, v)
+        walked = selector_walk(selector, slot_hidden, logits, rows.anchor.to(slot_hidden.device),
+                               do_sample=self.do_sample and self.sample_draft, temperature=self.temperature,
+                               generator=self.generator, process=process)
+        tokens = walked.tokens.to(draft_logits.device)
+        return tokens, (walked.q.to(draft_logits.device) if self.do_sample else None)
+
+    @property
+    def temperature(self) -> float:
+        """Generate's temperature: the product of the ``TemperatureLogitsWarper`` values in ``procs`` (1.0 without)."""
+        value = 1.0
+        for p in self.procs:
+            if isinstance(p, _lp.TemperatureLogitsWarper):
+                value *= float(p.temperature)
+        return value
 
     def target_scores(self, drafts: torch.Tensor, target_logits: torch.Tensor, rows) -> torch.Tensor:
         """Processed target scores ``(A, n + 1, V)``: slot j sees the row's prefix + the first j drafts."""

@@ -498,8 +498,8 @@ def test_propose_walks_the_transformed_logits_of_the_mask_slots():
 
 
 def test_spec_generate_with_a_dflash2_drafter_gives_the_targets_tokens():
-    """The loop runs a DFlash 2 drafter's backbone (convolutions included; the selector walk is not wired
-    into the loop yet, see README) and stays lossless: greedy output == target.generate."""
+    """The loop runs a DFlash 2 drafter (convolutions and selector walk; oracle, sampling and routes in
+    test_dflash2_generate.py) and stays lossless: greedy output == target.generate."""
     from tiny import tiny_target
 
     target, draft = tiny_target(peaked=True), random_dflash2()
