@@ -527,3 +527,25 @@ def test_every_generate_argument_of_the_dflash1_parity_suite(case, monkeypatch):
         kept = ~got.isnan().all(-1)
         assert kept.any(0).all() and torch.equal(kept, ~got.isnan().any(-1))
         torch.testing.assert_close(got[kept], want[kept], rtol=1e-4, atol=1e-4)
+
+
+def test_stateful_user_processor_drafts_through_copies_in_the_walk(monkeypatch):
+    """A grammar processor in xgrammar's call pattern (``test_user_calls.GrammarProcessor``: advanced by each
+    call's last token, raising when called out of order) with a DFlash 2 drafter: the walk scores drafted
+    slots with this step's draft-side copies, the original sees committed tokens once, in order, and the
+    output is generate's with the same processor, batch 1 and ragged. Planted bug caught: the walk calling
+    the caller's original processors (``self.procs`` instead of ``self._step_procs()``) raises
+    'called out of order' at the first walked slot."""
+    from transformers import LogitsProcessorList
+    from test_user_calls import GrammarProcessor, _follows_grammar
+
+    target, draft = tiny_target(peaked=True), dflash2_draft()
+    walks = watch_walks(monkeypatch)
+    ids, mask = left_pad([PROMPTS[3], PROMPTS[11]])
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0,
+                          logits_processor=LogitsProcessorList([GrammarProcessor()]))
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=16, temperature=0.0, pad_token_id=0,
+                              logits_processor=LogitsProcessorList([GrammarProcessor()]))
+    assert torch.equal(out, ref)
+    assert all(_follows_grammar(out[r, ids.shape[1]:].tolist(), r) for r in range(2))
+    assert walks[1] > 0, "the selector walk never ran"
