@@ -6,6 +6,9 @@ doubly scaled embedding changes the greedy output. Families absent from the inst
 return None.
 """
 
+import json
+from pathlib import Path
+
 import torch
 import transformers
 
@@ -67,3 +70,38 @@ def family_target(name, seed=0):
         _peak_fused_qkv(model)
     peak(model)
     return model.eval()
+
+
+TARGET_CONFIGS = Path(__file__).resolve().parent / "fixtures" / "target_configs"
+# a text-only config names no architecture: the causal-LM class of its model_type
+TEXT_CLASSES = {"gemma4_text": "Gemma4ForCausalLM"}
+
+
+def published_config(name):
+    """The shrunk published ``config.json`` ``name`` (tests/fixtures/target_configs/README.md) as a dict."""
+    return json.loads((TARGET_CONFIGS / f"{name}.json").read_text())
+
+
+def published_target(name, seed=0):
+    """A peaked fp32 target built from the shrunk published config ``name`` through ``AutoConfig.for_model``
+    (the class its ``model_type`` maps to, as ``from_pretrained`` picks it) and the class its
+    ``architectures`` names; its generation config is derived from that config, as ``from_pretrained``
+    does without a ``generation_config.json``. Returns ``(target, None)``, or ``(None, reason)`` when the
+    installed transformers lacks the family."""
+    config_dict = published_config(name)
+    model_type = config_dict["model_type"]
+    class_name = config_dict.get("architectures", [TEXT_CLASSES.get(model_type)])[0]
+    if model_type not in transformers.CONFIG_MAPPING or getattr(transformers, class_name, None) is None:
+        return None, f"transformers {transformers.__version__} has no {model_type} / {class_name}"
+    config = transformers.AutoConfig.for_model(**config_dict)
+    torch.manual_seed(seed)
+    model = getattr(transformers, class_name)(config)
+    if model_type == "phi3":
+        _peak_fused_qkv(model)
+    hybrid = "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or [])
+    peak(model, head=4.0 if hybrid else 10.0)  # x10 makes a hybrid stack loop on one token
+    if hybrid:
+        from test_hybrid import remember  # gates that keep memory, so a state bug changes the output
+
+        remember(model)
+    return model.eval(), None
