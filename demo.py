@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from convert.cli import CommandError, add_debug_flag, quiet_loading, run_command
-from convert.loading import load_pair
+from convert.loading import load_pair, parse_device
 
 ROOT = Path(__file__).resolve().parent
 QUICK_NOTE = ("--quick runs 2 prompts x 32 tokens: the fixed cost of each call (the draft's first block, "
@@ -133,32 +133,6 @@ def report_differences(differences: list, dtype_name: str, decode) -> int:
     return 0
 
 
-def per_position_acceptance(acceptance_lengths: list[int], block_size: int) -> list[float]:
-    """Share of verify steps whose draft token at block slot ``k`` was accepted, ``k = 1..block_size-1``.
-
-    A step with acceptance length ``a`` (bonus included) accepted slots ``1..a-1``.
-    """
-    n = max(len(acceptance_lengths), 1)
-    return [sum(a > k for a in acceptance_lengths) / n for k in range(1, block_size)]
-
-
-def _device(name: str):
-    """The torch device for ``--device``; CommandError for a bad name or CUDA asked for without CUDA."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise CommandError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CommandError(f"--device {name}: this torch has no usable CUDA (torch {torch.__version__}); use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise CommandError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
-    return device
-
-
 def run(args) -> int:
     """The demo; returns the exit status (0 = every output equals the target's)."""
     import torch
@@ -175,7 +149,7 @@ def run(args) -> int:
     from convert.paths import locate_model
 
     args.target, args.draft = locate_model(args.target, "--target"), locate_model(args.draft, "--draft")
-    device = _device(args.device)
+    device = parse_device(args.device)
     threads = 1 if args.threads is None else args.threads
     if threads:
         torch.set_num_threads(threads)
@@ -234,7 +208,9 @@ def run(args) -> int:
     print("\n===== summary")
     print(f"prompts {len(prompts)}, max_new_tokens {args.max_new_tokens}, greedy, block {block}")
     print(f"tau (mean accepted tokens per target forward, bonus included): {tau:.2f} over {len(steps)} steps")
-    shares = per_position_acceptance(steps, block)
+    from generation_output import per_slot_acceptance  # the one definition (README, bench, training)
+
+    shares = per_slot_acceptance(steps, block)
     print("per-position acceptance (share of steps whose draft at slot k was accepted):")
     print("  " + "  ".join(f"k{k}:{s:.2f}" for k, s in enumerate(shares, start=1)))
     print(f"target alone: {tps_ref:.1f} tok/s | DFlash: {tps_spec:.1f} tok/s | speedup {speedup:.2f}x"

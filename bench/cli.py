@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from convert.cli import CommandError, add_debug_flag, quiet_loading, run_command
-from convert.loading import load_pair
+from convert.loading import load_pair, parse_device
 from convert.paths import locate_model
 
 from . import contenders as C
@@ -154,21 +154,6 @@ def environment(args, device, dtype, clock) -> dict:
             "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
 
-def _device(name: str):
-    """The torch device for ``--device``; CommandError for a bad name or CUDA asked for without CUDA."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise CommandError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CommandError(f"--device {name}: this torch has no usable CUDA; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise CommandError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
-    return device
-
-
 def main(argv=None) -> int:
     """The command: exit status 0, 1 (a refused input, or greedy outputs that differ from the target's:
     one line on stderr, ``--debug`` for the traceback), 2 (usage error), 130 (Ctrl-C)."""
@@ -197,7 +182,7 @@ def run(args) -> dict:
     _check_inputs(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = _device(args.device)
+    device = parse_device(args.device)
     dtype = getattr(torch, args.dtype)
     clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
     sampling = {"temperature": args.temperature}

@@ -13,7 +13,28 @@ import os
 from .errors import CommandError
 from .paths import locate_model
 
-__all__ = ["check_pair", "load_pair"]
+__all__ = ["check_pair", "load_pair", "parse_device"]
+
+
+def parse_device(name: str, flag: str = "--device"):
+    """The torch device for a ``--device`` value (``auto``, ``cpu``, ``cuda`` or ``cuda:N``).
+
+    Raises:
+        CommandError: a name torch does not parse, another device type, or CUDA asked for without CUDA.
+    """
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CommandError(f"{flag} {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"{flag} {name}: this torch has no usable CUDA (torch {torch.__version__}); use {flag} cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise CommandError(f"{flag} {name!r}: expected auto, cpu, cuda or cuda:N")
+    return device
 
 
 def _config(path: str, flag: str) -> dict:
