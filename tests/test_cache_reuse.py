@@ -7,7 +7,9 @@ before the anchor. Planted bugs, each failing here (checked by hand): turn 1's d
 (``Resume._draft_context`` returning an empty context) fails ``test_turn_2_from_turn_1_cache_equals_generate``
 on the draft-context assertion; the cache advanced past the output (``Resume.kept`` returning the
 uncut counts) fails ``test_stop_inside_an_accepted_block_leaves_generates_cache``; the turn-2 prefill
-starting one token late (``input_ids[:, n + 1:]``) fails the prefill-token count and the equality.
+starting one token late (``input_ids[:, n + 1:]``) fails the prefill-token count and the equality; the
+draft's position shift removed (``_ShiftedDraft`` passing positions unshifted, or ``Resume.draft`` not
+wrapping) fails ``test_draft_without_context_for_the_cache_sees_the_suffix_from_position_0``.
 """
 
 import copy
@@ -20,6 +22,7 @@ from transformers import DynamicCache
 import cache_reuse
 import generation_utils
 from cache_reuse import CACHE_FIELD, DRAFT_CONTEXT
+from decode_step import _Context
 from family_targets import family_target
 from patching import patch_called
 from test_hybrid import V5, hybrid_draft, tiny_hybrid
@@ -289,3 +292,40 @@ def test_custom_generate_route_continues_from_the_returned_cache():
         handle.remove()
     assert tokens[0] == 7 and getattr(out, CACHE_FIELD) is cache
     assert torch.equal(out.sequences, _greedy(target, turn2, 24))
+
+
+def test_draft_without_context_for_the_cache_sees_the_suffix_from_position_0(monkeypatch):
+    """What the position shift (``cache_reuse._ShiftedDraft``) is for: the draft's masks take the keys in
+    its cache to sit at positions ``0..past_len-1``, but a passed cache without draft context (here a
+    user-prefilled system prompt of ``n`` tokens) gives the draft context from position ``n`` on. Shifted
+    by ``n``, every draft call must equal the draft run directly on the uncached suffix alone: a fresh
+    draft cache, the target features of positions ``n..`` placed at ``0..``, the block right after them.
+    A drafter with a causal sliding layer (window 3 < context) is needed to see it: the tiny drafters are
+    bidirectional, and RoPE alone depends on distances only. Greedy output stays generate's.
+    Planted: ``_ShiftedDraft`` passing ``position_ids`` unshifted fails the logits comparison here (its
+    sliding layer then masks every cached context key as out of the window)."""
+    target = _pair("dense")[0]
+    draft = tiny_draft(block_size=8, layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    system = _ids(30, 11)
+    n = system.shape[1]
+    cache = _prefill(target, system, _fresh_cache(target))
+    real = generation_utils._draft_logits
+    feats, compared = [], []
+
+    def checked(loop_draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id, **kw):
+        feats.append(ctx.features)
+        seen = torch.cat(feats, dim=1)  # (1, start - n, F): every context feature the draft has, from position n
+        assert seen.shape[1] == int(start[0]) - n == draft_cache.get_seq_length() + ctx.features.shape[1]
+        positions = torch.arange(seen.shape[1])[None]  # (1, start - n)
+        want = real(draft, embed, head, anchor, _Context(seen, positions, None), DynamicCache(), None,
+                    start - n, b, mask_token_id, **kw)
+        got = real(loop_draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id, **kw)
+        compared.append(draft_cache.get_seq_length())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        return got
+
+    patch_called(monkeypatch, generation_utils, "_draft_logits", checked)
+    prompt = torch.cat([system, _ids(31, 4)], dim=1)
+    out = draft.spec_generate(target, prompt, max_new_tokens=24, temperature=0.0, **{CACHE_FIELD: cache})
+    assert torch.equal(out, _greedy(target, prompt, 24))
+    assert max(compared) > 3  # calls with more cached context keys than the window were compared
