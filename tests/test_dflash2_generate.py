@@ -23,6 +23,7 @@ import transformers
 import dflash2
 import generation_utils
 from family_targets import family_target
+from test_families import _left_pad as left_pad
 from modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 from patching import patch_called
 from tiny import HIDDEN, MASK_ID, VOCAB, peak, tiny_draft_config, tiny_target
@@ -61,15 +62,6 @@ def loaded(draft, tmp_path, remote=False):
 
 def generate(target, ids, n, **kwargs):
     return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, **kwargs)
-
-
-def left_pad(prompts):
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
-    return ids, mask
 
 
 # ----------------------------------------------------------------------------- the oracle, through the selector
