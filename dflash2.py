@@ -46,7 +46,7 @@ def _shift(x: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def grouped_dynamic_causal_conv(hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor,
-                                group_size: int) -> torch.Tensor:
+                                group_size: int, block_length: Optional[int] = None) -> torch.Tensor:
     """One side of the DFlash 2 convolution over the positions of one block.
 
     ``out[t, c] = sum_o (base[o, c] + dynamic[t, o, c // group_size]) * hidden[t - o, c]``, with
@@ -59,10 +59,23 @@ def grouped_dynamic_causal_conv(hidden: torch.Tensor, dynamic: torch.Tensor, bas
         dynamic: ``(B, L, K, H // group_size)`` per-position tap coefficients of each channel group.
         base: ``(K, H)`` static taps of this side.
         group_size: channels per group; divides ``H``.
+        block_length: None (the ``L`` positions are one block), or the length of each of the
+            ``L / block_length`` blocks packed one after another along dim 1 (training's packed
+            blocks, ``train/blocks.py``): each is convolved alone, nothing crosses a block start.
 
     Returns:
         ``(B, L, H)`` in ``hidden``'s dtype.
+
+    Raises:
+        ValueError: ``block_length`` does not divide ``L``.
     """
+    if block_length is not None and block_length != hidden.shape[1]:
+        if block_length < 1 or hidden.shape[1] % block_length:
+            raise ValueError(f"block_length={block_length} must divide the {hidden.shape[1]} packed positions")
+        folded = hidden.reshape(-1, block_length, hidden.shape[-1])  # (B * n, block_length, H)
+        out = grouped_dynamic_causal_conv(folded, dynamic.reshape(folded.shape[0], block_length, *dynamic.shape[2:]),
+                                          base, group_size)
+        return out.view_as(hidden)
     batch, length, hidden_size = hidden.shape
     taps, groups = base.shape[0], hidden_size // group_size
     x = hidden.view(batch, length, groups, group_size)  # (B, L, G, C)
@@ -115,16 +128,17 @@ class GroupedDynamicCausalConv(nn.Module):
         if not keep(self.kernel_projection.weight):
             self.kernel_projection.weight.zero_()
 
-    def prepare(self, hidden: torch.Tensor):
+    def prepare(self, hidden: torch.Tensor, block_length: Optional[int] = None):
         """``hidden`` ``(B, L, H)`` normed sublayer input -> (convolved input ``(B, L, H)``, output-side
-        coefficients ``(B, L, K, G)``)."""
+        coefficients ``(B, L, K, G)``). ``block_length``: see [`grouped_dynamic_causal_conv`]."""
         dynamic = self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.kernel_size, self.num_groups)
-        convolved = grouped_dynamic_causal_conv(hidden, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size)
+        convolved = grouped_dynamic_causal_conv(hidden, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size,
+                                                block_length)
         return convolved, dynamic[..., 1, :, :]
 
-    def finish(self, hidden: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+    def finish(self, hidden: torch.Tensor, dynamic: torch.Tensor, block_length: Optional[int] = None) -> torch.Tensor:
         """``hidden`` ``(B, L, H)`` sublayer output, ``dynamic`` from [`prepare`] -> ``(B, L, H)``."""
-        return grouped_dynamic_causal_conv(hidden, dynamic, self.base_kernel[1], self.group_size)
+        return grouped_dynamic_causal_conv(hidden, dynamic, self.base_kernel[1], self.group_size, block_length)
 
 
 # ----------------------------------------------------------------------------- the selector

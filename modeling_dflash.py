@@ -507,9 +507,14 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
         masks = self._layer_masks(position_ids, q_len, past_len, attention_mask)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        options = self._layer_options(attention_mask)
         for layer, mask in zip(self.layers, masks):
-            hidden_states = layer(hidden_states, target_hidden, position_embeddings, mask, past_key_values)
+            hidden_states = layer(hidden_states, target_hidden, position_embeddings, mask, past_key_values, **options)
         return self.norm(hidden_states)
+
+    def _layer_options(self, attention_mask) -> dict:
+        """Extra keyword arguments of every decoder layer call (none for DFlash 1)."""
+        return {}
 
     def _layer_masks(self, position_ids, q_len, past_len, attention_mask):
         """One mask per layer (shared between layers of the same kind); see [`block_attention_mask`]."""
@@ -604,13 +609,15 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
         self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
 
-    def forward(self, hidden_states, target_hidden, position_embeddings, attention_mask, past_key_values=None):
-        """hidden_states ``(b, q_len, H)``: ONE block per row (the convolution runs over its positions)."""
-        block_input, post = self.attention_conv.prepare(self.input_layernorm(hidden_states))
+    def forward(self, hidden_states, target_hidden, position_embeddings, attention_mask, past_key_values=None,
+                block_length=None):
+        """hidden_states ``(b, q_len, H)``: one block per row, or (``block_length``, training's packed
+        form) ``q_len / block_length`` blocks per row, each convolved alone."""
+        block_input, post = self.attention_conv.prepare(self.input_layernorm(hidden_states), block_length)
         attended = self.self_attn(block_input, target_hidden, position_embeddings, attention_mask, past_key_values)
-        hidden_states = hidden_states + self.attention_conv.finish(attended, post)
-        block_input, post = self.mlp_conv.prepare(self.post_attention_layernorm(hidden_states))
-        return hidden_states + self.mlp_conv.finish(self.mlp(block_input), post)
+        hidden_states = hidden_states + self.attention_conv.finish(attended, post, block_length)
+        block_input, post = self.mlp_conv.prepare(self.post_attention_layernorm(hidden_states), block_length)
+        return hidden_states + self.mlp_conv.finish(self.mlp(block_input), post, block_length)
 
 
 NATIVE_DFLASH2_WARNING = (
@@ -625,8 +632,8 @@ class DFlash2DraftModel(DFlashDraftModel):
     ``candidate_selector`` that walks the top-k candidates of each mask slot (``dflash2.py``).
 
     ``forward`` is the DFlash one (final-normed states ``(b, q_len, H)``, the whole block, anchor
-    first; one block per row). [`selector_inputs`] gives the selector's inputs for a drafted block and
-    [`propose`] drafts its tokens and ``q``. Source: z-lab ``dflash/model.py`` ``DFlash2DraftModel``.
+    first; one block per row, or training's packed blocks). [`selector_inputs`] gives the selector's
+    inputs for a drafted block and [`propose`] drafts its tokens and ``q``. Source: z-lab ``dflash/model.py`` ``DFlash2DraftModel``.
     A fresh model (or missing DFlash 2 weights) is the identity: it drafts greedily exactly as its
     DFlash 1 backbone.
 
@@ -659,11 +666,10 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     _native_warned = False
 
-    def _layer_masks(self, position_ids, q_len, past_len, attention_mask):
-        if isinstance(attention_mask, dict):  # the packed multi-block form of training
-            raise NotImplementedError("packed multi-block inputs are not supported by DFlash2DraftModel: its "
-                                      "convolution runs over the whole q_len, one block per row")
-        return super()._layer_masks(position_ids, q_len, past_len, attention_mask)
+    def _layer_options(self, attention_mask) -> dict:
+        """Training's packed form (a dict of masks, ``train/blocks.py``) holds ``q_len / block_size`` blocks
+        per row: each layer then convolves every ``block_size`` positions alone."""
+        return {"block_length": self.config.block_size} if isinstance(attention_mask, dict) else {}
 
     def _init_weights(self, module):
         """The DFlash init, then the identity for the DFlash 2 parts, leaving loaded parameters alone."""

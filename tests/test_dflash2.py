@@ -263,15 +263,6 @@ def test_fresh_dflash2_is_the_identity_and_drafts_as_its_dflash1_backbone():
     assert torch.equal(draft.tokens, head(hidden[:, 1:]).argmax(-1))
 
 
-def test_packed_multi_block_inputs_are_refused():
-    """The convolution spans the whole block axis: training's packed blocks (a dict of masks) would mix blocks."""
-    model = random_dflash2()
-    inputs = draft_inputs(block=8)
-    masks = {"full_attention": None, "sliding_attention": None}
-    with pytest.raises(NotImplementedError, match="packed multi-block inputs are not supported by DFlash2DraftModel"):
-        model(**inputs, attention_mask=masks)
-
-
 def test_init_weights_leaves_loaded_parameters_alone():
     model = random_dflash2()
     conv, selector = model.layers[1].mlp_conv, model.candidate_selector

@@ -18,6 +18,7 @@ Data parallel contract (what makes N processes train exactly like one):
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from train.blocks import drafter_loss, loss_weights, pack_batch, sample_anchors
+from train.selector import dflash2_loss
 from train.evaluate import acceptance_stats, eval_loss
 from train.features import ListFeatures
 
@@ -65,6 +67,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_max_new_tokens: int = 64
     progress: bool = True
+    selector_alpha: float = 1.0  # DFlash 2 only: weight of the selector loss (train/selector.py)
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -242,6 +245,8 @@ def train_drafter(draft, target, examples: list, features, cfg: TrainConfig, eva
         target.to(device)
     draft.to(device)
     draft_config = draft.config
+    dflash2 = getattr(draft, "_is_dflash2_class", False)
+    loss_fn = functools.partial(dflash2_loss, alpha=cfg.selector_alpha) if dflash2 else drafter_loss
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
                             weight_decay=cfg.weight_decay)
     model, opt = acc.prepare(draft, opt)
@@ -294,12 +299,17 @@ def train_drafter(draft, target, examples: list, features, cfg: TrainConfig, eva
         sync = contextlib.nullcontext() if last else acc.no_sync(model)
         with sync:
             with acc.autocast():
-                lsum, st = drafter_loss(model, target, batch, weights, reduction="sum")
+                lsum, st = loss_fn(model, target, batch, weights, reduction="sum")
             wsum = acc.reduce(st["weight"].detach().float().clone(), "sum").clamp_min(1e-12)
             acc.backward(lsum * P / (wsum * cfg.grad_accum))
         loss = acc.reduce(lsum.detach().float().clone(), "sum") / wsum
         hits = acc.reduce(torch.stack([st["correct"], st["count"]]).to(device), "sum").cpu()
-        return float(loss), hits
+        parts = {}
+        if dflash2:  # the two terms of the DFlash 2 loss, and the selector's per-slot counts
+            sums = acc.reduce(torch.stack([st["unary"], st["selector"]]).float(), "sum") / wsum
+            parts = {"unary_loss": float(sums[0]), "selector_loss": float(sums[1]),
+                     "slots": acc.reduce(torch.stack([st["covered"], st["selector_correct"]]).to(device), "sum").cpu()}
+        return float(loss), hits, parts
 
     model.train()
     t_start = time.time() - state["elapsed_s"]
@@ -318,12 +328,14 @@ def train_drafter(draft, target, examples: list, features, cfg: TrainConfig, eva
             if state["pos"] + G > len(examples):
                 state["epoch"], state["pos"] = state["epoch"] + 1, 0
             rows = epoch_order(len(examples), cfg.seed, state["epoch"])[state["pos"]: state["pos"] + G]
-            step_loss, hits = 0.0, torch.zeros(2, B)
+            step_loss, hits, step_parts = 0.0, torch.zeros(2, B), {}
             for m in range(cfg.grad_accum):
                 idx = micro_batch_indices(rows, m, rank, cfg.batch_size, P)
-                loss, h = micro_step(idx, state["epoch"], m == cfg.grad_accum - 1)
+                loss, h, parts = micro_step(idx, state["epoch"], m == cfg.grad_accum - 1)
                 step_loss += loss / cfg.grad_accum
                 hits += h
+                for k, v in parts.items():
+                    step_parts[k] = step_parts.get(k, 0) + (v if k == "slots" else v / cfg.grad_accum)
             gnorm = acc.clip_grad_norm_(model.parameters(), cfg.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -334,8 +346,11 @@ def train_drafter(draft, target, examples: list, features, cfg: TrainConfig, eva
             win["loss"] += step_loss
             win["n"] += 1
             win["hits"] += hits
+            for k, v in step_parts.items():
+                win[k] = win.get(k, 0) + v
             bar.update(1)
-            step_rec = {"step": state["step"], "loss": step_loss, "lr": lr, "grad_norm": float(gnorm)}
+            step_rec = {"step": state["step"], "loss": step_loss, "lr": lr, "grad_norm": float(gnorm),
+                        **{k: v for k, v in step_parts.items() if k != "slots"}}
             if on_step:
                 on_step(step_rec)
             if state["step"] % cfg.log_every == 0 or state["step"] == total:
@@ -343,6 +358,11 @@ def train_drafter(draft, target, examples: list, features, cfg: TrainConfig, eva
                 rec = {"step": state["step"], "epoch": state["epoch"], "loss": win["loss"] / win["n"], "lr": lr,
                        "grad_norm": float(gnorm), "acc": float(a.mean()), "acc_slot": [round(float(x), 4) for x in a],
                        "label_tokens": state["tokens"], "elapsed_s": round(state["elapsed_s"], 1)}
+                if "slots" in win:  # DFlash 2: the two loss terms, gold in the unary top-k, selector top-1 (teacher forced)
+                    n = win["hits"][1].clamp_min(1)
+                    rec.update(unary_loss=win["unary_loss"] / win["n"], selector_loss=win["selector_loss"] / win["n"],
+                               topk_recall=float(win["slots"][0][1:].sum() / n[1:].sum()),
+                               selector_acc=float(win["slots"][1][1:].sum() / n[1:].sum()))
                 log_line(rec)
                 bar.set_postfix(_postfix(rec, last_eval, B))
                 win = {"loss": 0.0, "n": 0, "hits": torch.zeros(2, B)}

@@ -10,6 +10,13 @@
   Xiong et al. 2023, "Effective Long-Context Scaling of Foundation Models" (section 2: continual
   pretraining from Llama 2 checkpoints on longer sequences); applying it to a DFlash drafter is our
   own choice. Pass ``--init`` with the stage-1 drafter folder.
+* ``pair-dflash2``: a DFlash 2 drafter for the embedded pair, fine-tuned from the shipped ``pair/drafter``
+  (it keeps its taps; identity convolutions and a zero successor codebook are added, so training starts
+  at its greedy drafts, train/selector.py) on the stage-2 data of ``pair-long`` (training-split prompts
+  only, the held-out guard of train/data.py applies; the run's own eval split of training prompts is the
+  validation split). A lower lr than ``pair-long`` (a fine-tune of a trained backbone; the codebooks start
+  at zero), selector alpha 1 (SpecForge's default), the training wall clock capped at 45 minutes so the
+  whole run (data, features, training) fits in 60 minutes on 2 cores. Resumable with ``--resume``.
 * ``dflash-b16`` / ``dflash-b10`` / ``dflash-b8``: the published recipe for real targets (DFlash paper,
   section 4 and appendix): 5 draft layers, 5 target taps spread over the depth, AdamW lr 6e-4, cosine
   with 4% warmup, grad clip 1.0, 6 epochs, sequences up to 3072 tokens, up to 512 anchors per sequence,
@@ -40,6 +47,13 @@ PRESETS = {
                       lr=1e-3, warmup_ratio=0.02, max_minutes=35, threads=2, eval_every=250, eval_tau_prompts=4,
                       eval_max_new_tokens=64, ckpt_every=50, log_every=10, features="cache", cache_dtype="float32",
                       mixed_precision="no"),
+    "pair-dflash2": dict(target="pair/target", init="pair/drafter", dflash2=True, conv_kernel_size=2, selector_top_k=16,
+                         selector_alpha=1.0, layers=2, block_size=16, target_layer_ids="1,3,5", num_prompts=960,
+                         num_eval_prompts=48, max_new_tokens=128, sampled_fraction=0.25, gen_batch=32, max_len=1312,
+                         long_prompts="64:1152", long_fraction=0.75, anchors=32, batch=4, grad_accum=1, epochs=20,
+                         lr=5e-4, warmup_ratio=0.02, max_minutes=45, threads=2, eval_every=250, eval_tau_prompts=4,
+                         eval_max_new_tokens=64, ckpt_every=50, log_every=10, features="cache", cache_dtype="float32",
+                         mixed_precision="no"),
     "dflash-b16": dict(_PUBLISHED, block_size=16, gamma=7.0),
     "dflash-b10": dict(_PUBLISHED, block_size=10, gamma=5.0),
     "dflash-b8": dict(_PUBLISHED, block_size=8, gamma=4.0),

@@ -6,6 +6,7 @@
         --target Qwen/Qwen3-8B --data chat.jsonl --name qwen3-8b-b16
     python -m train.train_drafter --preset pair --name pair-short     # stage 1 of the shipped pair/drafter
     python -m train.train_drafter --preset pair-long --init runs/pair-short/drafter --reproduce-pair  # stage 2
+    python -m train.train_drafter --preset pair-dflash2              # DFlash 2 fine-tuned from pair/drafter
 
 Everything a run writes goes under ``runs/<name>/`` (``--output-dir``): ``data/`` (the target's
 responses, JSONL), ``features/`` (the feature cache, when used), ``checkpoints/``, ``train_log.jsonl``,
@@ -41,6 +42,7 @@ _EXPORTS = {
                      "loss_weights", "pack_batch", "packed_block_mask", "sample_anchors", "trainable_anchor_positions"],
     "train.model_init": ["build_draft_config", "init_draft_from_target"],
     "train.evaluate": ["acceptance_stats", "eval_loss", "mean_acceptance"],
+    "train.selector": ["dflash2_config", "dflash2_from_dflash1", "dflash2_loss", "predecessor_ids", "selector_terms"],
     "train.loop": ["TrainConfig", "TrainingInterrupted", "latest_checkpoint", "lr_at", "make_accelerator",
                    "save_checkpoint", "train_drafter"],
     "train._paths": ["DFlashConfig", "DFlashDraftModel"],
@@ -74,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m train.train_drafter", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = ap.add_argument
-    a("--preset", choices=["smoke", "pair", "pair-long", "dflash-b16", "dflash-b10", "dflash-b8"], default=None,
+    a("--preset", choices=["smoke", "pair", "pair-long", "pair-dflash2", "dflash-b16", "dflash-b10", "dflash-b8"], default=None,
       help="named flag set (train/presets.py); explicit flags override it")
     a("--name", default=None, help="run name: output under runs/<name>/ (default: the preset name, else 'drafter')")
     a("--output-dir", default=None, help="instead of runs/<name>/")
@@ -98,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init", default="target",
                    help="'target' (see train/model_init.py), 'random', or a drafter folder to fine-tune (its layers, "
                         "block size and target layer ids must match the flags)")
+    g = ap.add_argument_group("DFlash 2 (train/selector.py)")
+    g.add_argument("--dflash2", action="store_true",
+                   help="train a DFlash 2 drafter (convolutions + candidate selector); a DFlash 1 --init drafter is "
+                        "extended with identity DFlash 2 parts, so training starts at its greedy drafts")
+    g.add_argument("--conv-kernel-size", type=int, default=2, help="DFlash 2 convolution taps")
+    g.add_argument("--conv-group-size", type=int, default=None, help="channels per group (default: 16 if it divides)")
+    g.add_argument("--selector-rank", type=int, default=None, help="selector rank (default: min(256, hidden / 2))")
+    g.add_argument("--selector-top-k", type=int, default=16, help="candidates per slot")
+    g.add_argument("--selector-alpha", type=float, default=1.0, help="weight of the selector loss")
     g = ap.add_argument_group("data")
     g.add_argument("--data", default=None,
                    help="chat dataset ({'messages': [...]} rows): .jsonl/.json file or Hub id (streamed); "
@@ -184,6 +195,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError("--long-prompts extends the built-in training prompts; it cannot be used with --data/--responses")
     if args.init not in ("target", "random") and not (Path(args.init) / "config.json").is_file():
         raise UsageError(f"--init {args.init!r}: expected 'target', 'random' or a drafter folder with a config.json")
+    if not args.selector_alpha > 0:
+        raise UsageError(f"--selector-alpha must be > 0, got {args.selector_alpha}")
     if not 0 <= args.sampled_fraction <= 1:
         raise UsageError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
     args.name = args.name or preset or "drafter"
@@ -425,6 +438,15 @@ def run(args) -> dict:
             draft, init_report = fine_tune
         else:
             init_report = init_draft_from_target(draft, target) if args.init == "target" else {"copied": []}
+        if args.dflash2 and not getattr(draft, "_is_dflash2_class", False):
+            from train.selector import dflash2_from_dflash1
+
+            try:
+                draft = dflash2_from_dflash1(draft, kernel_size=args.conv_kernel_size, group_size=args.conv_group_size,
+                                             rank=args.selector_rank, top_k=args.selector_top_k)
+            except ValueError as e:
+                raise UsageError(f"--dflash2: {e}") from e
+            init_report = {**init_report, "dflash2": "identity convolutions and zero successor codebook added"}
         if acc.is_main_process:
             log_path.write_text("")
     tcfg = TrainConfig(num_anchors=args.anchors, batch_size=args.batch, grad_accum=args.grad_accum,
@@ -432,6 +454,7 @@ def run(args) -> dict:
                        weight_decay=args.weight_decay, clip=args.clip, gamma=args.gamma, max_minutes=args.max_minutes,
                        max_steps=args.max_steps, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
                        ckpt_every=args.ckpt_every, eval_max_new_tokens=args.eval_max_new_tokens,
+                       selector_alpha=args.selector_alpha,
                        progress=not args.no_progress)
     n_train = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     if acc.is_main_process:
