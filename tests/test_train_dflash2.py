@@ -287,6 +287,9 @@ def test_two_processes_train_like_one_and_resume_continues_exactly(tmp_path):
         for key in ("loss", "unary_loss", "selector_loss"):
             assert abs(r1[key] - r2[key]) <= 1e-4 * abs(r1[key]), (r1["step"], key, r1[key], r2[key])
     assert l1[-1]["selector_loss"] < l1[0]["selector_loss"] and l1[-1]["unary_loss"] < l1[0]["unary_loss"]
+    final_eval = [json.loads(x) for x in (one / "train_log.jsonl").read_text().splitlines()][-1]
+    assert final_eval["step"] == 6 and 0 <= final_eval["heldout_topk_recall"] <= 1
+    assert final_eval["heldout_selector_loss"] > 0 and 0 <= final_eval["heldout_selector_acc"] <= 1
 
     from transformers import AutoModel
 

@@ -75,3 +75,28 @@ def eval_loss(draft, target, rows, config, weights, batch_size: int = 4, device=
         count += st["count"]
     draft.train(was_training)
     return tot / max(wsum, 1e-12), (correct / count.clamp_min(1)).tolist()
+
+
+@torch.no_grad()
+def eval_selector(draft, target, rows, config, weights, batch_size: int = 4, device="cpu") -> dict:
+    """A DFlash 2 drafter's selector on fixed rows (as :func:`eval_loss`): ``heldout_selector_loss`` (the
+    slot-weighted selector cross-entropy of ``train.selector.dflash2_loss``, over ``sum w``),
+    ``heldout_topk_recall`` (share of labelled slots whose gold token is among the unary top-k) and
+    ``heldout_selector_acc`` (share whose teacher-forced selector top-1 is gold). No gradient; the draft's
+    train/eval mode is restored."""
+    from train.selector import dflash2_loss
+
+    was_training = draft.training
+    draft.eval()
+    selector, wsum, covered, correct, count = 0.0, 0.0, 0.0, 0.0, 0.0
+    for i in range(0, len(rows), batch_size):
+        batch = pack_batch(rows[i:i + batch_size], config, len(weights)).to(device)
+        _, st = dflash2_loss(draft, target, batch, weights, reduction="sum")
+        selector += float(st["selector"])
+        wsum += float(st["weight"])
+        covered += float(st["covered"].sum())
+        correct += float(st["selector_correct"].sum())
+        count += float(st["count"].sum())
+    draft.train(was_training)
+    return {"heldout_selector_loss": selector / max(wsum, 1e-12), "heldout_topk_recall": covered / max(count, 1),
+            "heldout_selector_acc": correct / max(count, 1)}

@@ -32,7 +32,7 @@ import torch
 
 from train.blocks import drafter_loss, loss_weights, pack_batch, sample_anchors
 from train.selector import dflash2_loss
-from train.evaluate import acceptance_stats, eval_loss
+from train.evaluate import acceptance_stats, eval_loss, eval_selector
 from train.features import ListFeatures
 
 TRAINER_STATE = "trainer_state.json"
@@ -282,6 +282,9 @@ def train_drafter(draft, target, examples: list, features, cfg: TrainConfig, eva
                 rec["heldout_loss"], a = eval_loss(unwrapped, target, eval_rows, draft_config, weights,
                                                    cfg.batch_size, device)
                 rec["heldout_acc_slot"] = [round(x, 4) for x in a[1:]]
+                if dflash2:
+                    rec.update({k: round(v, 4) for k, v in eval_selector(unwrapped, target, eval_rows, draft_config,
+                                                                         weights, cfg.batch_size, device).items()})
             if eval_prompts:
                 st = acceptance_stats(unwrapped, target, eval_prompts, cfg.eval_max_new_tokens)
                 rec["tau"] = round(st["tau"], 4)

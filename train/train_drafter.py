@@ -41,7 +41,7 @@ _EXPORTS = {
     "train.blocks": ["IGNORE", "PUBLISHED_GAMMA", "PackedBatch", "block_inputs", "default_gamma", "drafter_loss",
                      "loss_weights", "pack_batch", "packed_block_mask", "sample_anchors", "trainable_anchor_positions"],
     "train.model_init": ["build_draft_config", "init_draft_from_target"],
-    "train.evaluate": ["acceptance_stats", "eval_loss", "mean_acceptance"],
+    "train.evaluate": ["acceptance_stats", "eval_loss", "eval_selector", "mean_acceptance"],
     "train.selector": ["dflash2_config", "dflash2_from_dflash1", "dflash2_loss", "predecessor_ids", "selector_terms"],
     "train.loop": ["TrainConfig", "TrainingInterrupted", "latest_checkpoint", "lr_at", "make_accelerator",
                    "save_checkpoint", "train_drafter"],
