@@ -272,7 +272,7 @@ def test_two_processes_train_like_one_and_resume_continues_exactly(tmp_path):
     common = ["--preset", "smoke", "--dflash2", "--selector-top-k", "8", "--responses", str(responses),
               "--num-eval-prompts", "2", "--max-steps", "6", "--log-every", "1", "--features", "live",
               "--eval-tau-prompts", "0", "--eval-every", "0", "--ckpt-every", "3", "--save-dtype", "float32",
-              "--min-lr-ratio", "1", "--lr", "1e-3", "--no-progress"]
+              "--min-lr-ratio", "1", "--lr", "1e-3", "--selector-lr-scale", "3", "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
     two, one = tmp_path / "two", tmp_path / "one"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

@@ -68,6 +68,7 @@ class TrainConfig:
     eval_max_new_tokens: int = 64
     progress: bool = True
     selector_alpha: float = 1.0  # DFlash 2 only: weight of the selector loss (train/selector.py)
+    selector_lr_scale: float = 1.0  # DFlash 2 only: the candidate selector's lr is lr x this
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -190,6 +191,20 @@ def _trim_log(path, step: int) -> dict:
 # ----------------------------------------------------------------------------- the loop
 
 
+def _param_groups(draft, selector_lr_scale: float) -> list:
+    """AdamW groups: the backbone (and convolutions) at the schedule's lr, a DFlash 2 drafter's
+    ``candidate_selector`` at ``selector_lr_scale`` times it (its codebooks start at zero while the
+    backbone of a fine-tune is already trained). Each group carries its ``lr_scale``."""
+    backbone, selector = [], []
+    for name, p in draft.named_parameters():
+        if p.requires_grad:
+            (selector if name.startswith("candidate_selector.") else backbone).append(p)
+    groups = [{"params": backbone, "lr_scale": 1.0}]
+    if selector:
+        groups.append({"params": selector, "lr_scale": float(selector_lr_scale)})
+    return groups
+
+
 def _as_source(features):
     return features if callable(features) else ListFeatures(list(features))
 
@@ -247,7 +262,7 @@ def train_drafter(draft, target, examples: list, features, cfg: TrainConfig, eva
     draft_config = draft.config
     dflash2 = getattr(draft, "_is_dflash2_class", False)
     loss_fn = functools.partial(dflash2_loss, alpha=cfg.selector_alpha) if dflash2 else drafter_loss
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
+    opt = torch.optim.AdamW(_param_groups(draft, cfg.selector_lr_scale), lr=cfg.lr, betas=tuple(cfg.betas),
                             weight_decay=cfg.weight_decay)
     model, opt = acc.prepare(draft, opt)
     state = {"step": 0, "epoch": 0, "pos": 0, "elapsed_s": 0.0, "tokens": 0}
@@ -327,7 +342,7 @@ def train_drafter(draft, target, examples: list, features, cfg: TrainConfig, eva
         while state["step"] < total and time.time() - t_start < budget:
             lr = lr_at(state["step"], total, time.time() - t_start, cfg)
             for g in opt.param_groups:
-                g["lr"] = lr
+                g["lr"] = lr * g["lr_scale"]
             if state["pos"] + G > len(examples):
                 state["epoch"], state["pos"] = state["epoch"] + 1, 0
             rows = epoch_order(len(examples), cfg.seed, state["epoch"])[state["pos"]: state["pos"] + G]

@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--selector-rank", type=int, default=None, help="selector rank (default: min(256, hidden / 2))")
     g.add_argument("--selector-top-k", type=int, default=16, help="candidates per slot")
     g.add_argument("--selector-alpha", type=float, default=1.0, help="weight of the selector loss")
+    g.add_argument("--selector-lr-scale", type=float, default=1.0, help="the selector's lr is --lr times this")
     g = ap.add_argument_group("data")
     g.add_argument("--data", default=None,
                    help="chat dataset ({'messages': [...]} rows): .jsonl/.json file or Hub id (streamed); "
@@ -195,8 +196,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError("--long-prompts extends the built-in training prompts; it cannot be used with --data/--responses")
     if args.init not in ("target", "random") and not (Path(args.init) / "config.json").is_file():
         raise UsageError(f"--init {args.init!r}: expected 'target', 'random' or a drafter folder with a config.json")
-    if not args.selector_alpha > 0:
-        raise UsageError(f"--selector-alpha must be > 0, got {args.selector_alpha}")
+    for flag in ("selector_alpha", "selector_lr_scale"):
+        if not getattr(args, flag) > 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if not 0 <= args.sampled_fraction <= 1:
         raise UsageError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
     args.name = args.name or preset or "drafter"
@@ -454,7 +456,7 @@ def run(args) -> dict:
                        weight_decay=args.weight_decay, clip=args.clip, gamma=args.gamma, max_minutes=args.max_minutes,
                        max_steps=args.max_steps, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
                        ckpt_every=args.ckpt_every, eval_max_new_tokens=args.eval_max_new_tokens,
-                       selector_alpha=args.selector_alpha,
+                       selector_alpha=args.selector_alpha, selector_lr_scale=args.selector_lr_scale,
                        progress=not args.no_progress)
     n_train = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     if acc.is_main_process:
