@@ -633,7 +633,8 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     ``forward`` is the DFlash one (final-normed states ``(b, q_len, H)``, the whole block, anchor
     first; one block per row, or training's packed blocks). [`selector_inputs`] gives the selector's
-    inputs for a drafted block and [`propose`] drafts its tokens and ``q``. Source: z-lab ``dflash/model.py`` ``DFlash2DraftModel``.
+    inputs for a drafted block and [`propose`] drafts its tokens and ``q``. Source: z-lab
+    ``dflash/model.py`` ``DFlash2DraftModel``.
     A fresh model (or missing DFlash 2 weights) is the identity: it drafts greedily exactly as its
     DFlash 1 backbone.
 

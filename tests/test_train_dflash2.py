@@ -77,9 +77,9 @@ def test_init_from_dflash1_drafts_its_greedy_drafts_and_saves_the_published_layo
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"]
-    assert {k: config["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                     "selector_top_k")} == {"conv_kernel_size": 2, "conv_group_size": 10,
-                                                                            "selector_rank": 8, "selector_top_k": 5}
+    sizes = {k: config["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                     "selector_top_k")}
+    assert sizes == {"conv_kernel_size": 2, "conv_group_size": 10, "selector_rank": 8, "selector_top_k": 5}
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:

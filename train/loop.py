@@ -376,7 +376,7 @@ def train_drafter(draft, target, examples: list, features, cfg: TrainConfig, eva
                 rec = {"step": state["step"], "epoch": state["epoch"], "loss": win["loss"] / win["n"], "lr": lr,
                        "grad_norm": float(gnorm), "acc": float(a.mean()), "acc_slot": [round(float(x), 4) for x in a],
                        "label_tokens": state["tokens"], "elapsed_s": round(state["elapsed_s"], 1)}
-                if "slots" in win:  # DFlash 2: the two loss terms, gold in the unary top-k, selector top-1 (teacher forced)
+                if "slots" in win:  # DFlash 2: both loss terms, gold in the unary top-k, teacher-forced selector top-1
                     n = win["hits"][1].clamp_min(1)
                     rec.update(unary_loss=win["unary_loss"] / win["n"], selector_loss=win["selector_loss"] / win["n"],
                                topk_recall=float(win["slots"][0][1:].sum() / n[1:].sum()),

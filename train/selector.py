@@ -86,7 +86,8 @@ def dflash2_from_dflash1(draft, **sizes):
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in draft.state_dict().items()}, strict=False)
     new = [k for k in missing if not ("_conv." in k or k.startswith("candidate_selector."))]
     if new or unexpected:
-        raise ValueError(f"cannot start a DFlash 2 drafter from this DFlash 1 one: missing {new}, unexpected {unexpected}")
+        raise ValueError(f"cannot start a DFlash 2 drafter from this DFlash 1 one: missing {new}, "
+                         f"unexpected {unexpected}")
     return model.eval()
 
 

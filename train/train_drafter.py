@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m train.train_drafter", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = ap.add_argument
-    a("--preset", choices=["smoke", "pair", "pair-long", "pair-dflash2", "dflash-b16", "dflash-b10", "dflash-b8"], default=None,
+    a("--preset", choices=["smoke", "pair", "pair-long", "pair-dflash2", "dflash-b16", "dflash-b10", "dflash-b8"],
+      default=None,
       help="named flag set (train/presets.py); explicit flags override it")
     a("--name", default=None, help="run name: output under runs/<name>/ (default: the preset name, else 'drafter')")
     a("--output-dir", default=None, help="instead of runs/<name>/")
