@@ -9,8 +9,9 @@ drafter (and a DFlash 2 one) saved and loaded back through ``AutoModel`` + ``tru
   image are NOT a plain range; images, video, and a left-padded batch whose rows hold different numbers
   of images. Planted bug "positions after the image as a plain range" (``rope=None`` for the verify
   forwards in ``_decode``): every Qwen test here fails.
-* Gemma 3 (both versions): bidirectional attention among the image tokens of the prefill
-  (``token_type_ids``), sliding windows, plain positions.
+* Gemma 3 (both versions) and Gemma 4 (5.x; KV-shared layers, per-layer inputs): bidirectional attention
+  among the image tokens of the prefill (``token_type_ids`` / ``mm_token_type_ids``), sliding windows,
+  plain positions.
 * Each test checks that other pixel values give other tokens (the image is not ignored).
 
 The ``image-text-to-text`` pipeline is not tested: it needs a processor (image processor + tokenizer +
@@ -82,6 +83,20 @@ def gemma3():
     return _finish(model)
 
 
+def gemma4():
+    if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
+        pytest.skip("Gemma 4 exists from transformers 5.x on")
+    from family_targets import family_target
+
+    text = dict(family_target("gemma4").config.to_dict(), pad_token_id=0)  # KV-shared layers, per-layer inputs
+    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=3, position_embedding_size=64)
+    cfg = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMG,
+                                    boi_token_id=V_START, eoi_token_id=V_END)
+    torch.manual_seed(0)
+    return _finish(transformers.Gemma4ForConditionalGeneration(cfg))
+
+
 def _left_pad(rows):
     width = max(len(r) for r in rows)
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
@@ -114,7 +129,17 @@ def gemma_inputs(target, rows, images, seed=0, video=False):
                 pixel_values=torch.randn(images, 3, 16, 16, generator=gen))
 
 
-FAMILIES = {"qwen3_vl": (qwen3_vl, qwen_inputs), "qwen3_5": (qwen3_5, qwen_inputs), "gemma3": (gemma3, gemma_inputs)}
+def gemma4_inputs(target, rows, images, seed=0, video=False):
+    """Gemma 4 images: 36 patches of 4x4 pixels on a 6x6 grid each, pooled 3x3 into 4 image tokens."""
+    ids, mask = _left_pad(rows)
+    gen = torch.Generator().manual_seed(seed)
+    grid = torch.stack(torch.meshgrid(torch.arange(6), torch.arange(6), indexing="xy"), -1).reshape(36, 2)
+    return dict(input_ids=ids, attention_mask=mask, pixel_values=torch.rand(images, 36, 48, generator=gen),
+                image_position_ids=grid[None].expand(images, -1, -1).clone(), mm_token_type_ids=(ids == IMG).long())
+
+
+FAMILIES = {"qwen3_vl": (qwen3_vl, qwen_inputs), "qwen3_5": (qwen3_5, qwen_inputs), "gemma3": (gemma3, gemma_inputs),
+            "gemma4": (gemma4, gemma4_inputs)}
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +213,13 @@ def test_multimodal_inputs_with_the_static_loop_are_refused_by_name(drafter):
     inputs = qwen_inputs(target, [[5, *_image(), 7]], 1)
     with pytest.raises(NotImplementedError, match="multimodal inputs .* static loop"):
         drafter[1].spec_generate(target=target, **inputs, max_new_tokens=4, cache_implementation="static")
+
+
+def test_readme_vision_block_runs():
+    """The README's vision block runs as written (its own assert: spec_generate == generate)."""
+    from test_readme import readme_blocks
+
+    code = readme_blocks()["vision"]
+    if "mm_token_type_ids" not in __import__("inspect").signature(transformers.Qwen3VLModel.forward).parameters:
+        code = code.replace(", mm_token_type_ids=(input_ids == IMAGE).long()", "")  # as the README says for 4.57
+    exec(compile(code, "README:vision", "exec"), {})
