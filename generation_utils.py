@@ -185,6 +185,12 @@ def spec_generate(
             are ordinary tensors either way; pass False when tensors made during the call must be
             usable by autograd afterwards (e.g. features kept by the caller's own forward hooks).
         mask_token_id: override of ``draft.config.mask_token_id``.
+        pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, token_type_ids,
+            mm_token_type_ids, image_sizes, ... (keywords): a vision-language target's own inputs, any name
+            its ``forward`` takes besides the prompt, as the processor returns them. They go to ``generate``
+            and reach the prefill exactly as it prepares them (``target_families.pop_model_inputs``); every
+            later verify forward uses the target's own positions (Qwen M-RoPE: positions after an image
+            are the sequence index + a per-row delta, computed per call, ``target_families.VisionPrompt``).
         cache / past_key_values (keywords; ``cache=`` on transformers >= 5 only, as in generate): a
             ``DynamicCache`` holding the first tokens of ``input_ids`` (batch 1, no padding): only the rest is
             prefilled. It is advanced in place, as generate does (``copy.deepcopy`` it to reuse it, e.g. a
@@ -212,6 +218,10 @@ def spec_generate(
         [`DFlashGenerateOutput`] (a ``GenerateDecoderOnlyOutput`` with tau and per-slot acceptance, and at
         batch 1 the target's cache to continue from).
 
+    Draft context and positions: the draft reads the target's features at every committed position,
+    image and video tokens included, at 1-D positions (the sequence index with image tokens counted, as
+    in its training), whatever positions the target itself uses.
+
     Batches: every row keeps its own true positions (``cumsum(attention_mask) - 1``) and accepts its
     own number of tokens per step. Rows share one KV cache per model; slots a row does not own
     (left padding, drafts it rejected while another row accepted more) are masked out of attention
@@ -237,7 +247,9 @@ def spec_generate(
             families refused by name (``target_families``), a call that would cross a ``dynamic``
             RoPE switch (no budget: any such target), or a ``longrope`` one in a batch, with padding,
             or where generate's own re-prefill is not followed (``target_families.check_rope``;
-            Phi-3-style targets at batch 1 cross it exactly: blocks clamped, one re-prefill).
+            Phi-3-style targets at batch 1 cross it exactly: blocks clamped, one re-prefill); multimodal
+            inputs with the static loop, a passed cache or a longrope re-prefill, for Mllama, or for an
+            M-RoPE target without ``get_rope_index`` (``target_families.vision_prompt``).
     """
     _check_is_causal_lm(target)
     _families.check_family(target)

@@ -14,9 +14,9 @@ drafter (and a DFlash 2 one) saved and loaded back through ``AutoModel`` + ``tru
   plain positions.
 * Each test checks that other pixel values give other tokens (the image is not ignored).
 
-The ``image-text-to-text`` pipeline is not tested: it needs a processor (image processor + tokenizer +
-chat template) that cannot be built offline for these tiny targets; it calls ``generate``, which the
-``custom_generate`` test covers with the same arguments.
+The ``image-text-to-text`` pipeline is tested with Gemma 3 (a tiny processor built offline: word-level
+tokenizer + the PIL image processor); Qwen's image processors need torchvision, which the test
+environment does not install.
 """
 
 import pytest
@@ -198,6 +198,55 @@ def test_custom_generate_route_with_an_image(drafter, family):
         assert out.tolist() == ref.tolist()
         outs.append(out)
     assert outs[0].tolist() != outs[1].tolist()
+
+
+def gemma3_processor():
+    """A Gemma 3 processor built offline: a word-level tokenizer over the tiny vocabulary with Gemma's image
+    tokens at the target's ids, and the PIL image processor at 16x16 (no torchvision needed)."""
+    import warnings
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    image = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+    words = ["<eos>", "<pad>", "<bos>", "[UNK]"] + [f"w{i}" for i in range(IMG - 4)]
+    words += [image["image_token"], "x91", image["boi_token"], image["eoi_token"]]
+    words += [f"x{i}" for i in range(len(words), VOCAB)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                                unk_token="[UNK]", extra_special_tokens=image,
+                                                additional_special_tokens=list(image.values()))
+    for name, value in image.items():  # 4.57 reads them as tokenizer attributes
+        setattr(fast, name, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 5.x: "falling back to Gemma3ImageProcessorPil" without torchvision
+        pixels = transformers.Gemma3ImageProcessor(size={"height": 16, "width": 16})
+    return transformers.Gemma3Processor(image_processor=pixels, tokenizer=fast, image_seq_length=4)
+
+
+def test_image_text_to_text_pipeline_with_the_drafter(drafter):
+    """``pipeline("image-text-to-text")`` + ``generate_kwargs`` naming the custom_generate route: the same
+    text as the plain pipeline, the drafter ran, and another image gives another text."""
+    import numpy as np
+    from PIL import Image
+
+    folder, draft = drafter
+    pipe = transformers.pipeline("image-text-to-text", model=gemma3(), processor=gemma3_processor())
+    calls, texts = [], []
+    hook = draft.register_forward_hook(lambda module, args, output: calls.append(1))
+    try:
+        for seed in (0, 1):
+            image = Image.fromarray((np.random.RandomState(seed).rand(16, 16, 3) * 255).astype("uint8"))
+            text = "w1 w2 <start_of_image> w3"
+            plain = pipe(images=image, text=text, max_new_tokens=NEW, generate_kwargs=dict(do_sample=False))
+            fast = pipe(images=image, text=text, max_new_tokens=NEW, generate_kwargs=dict(
+                do_sample=False, custom_generate=folder, trust_remote_code=True, assistant_model=draft))
+            assert fast == plain
+            texts.append(fast[0]["generated_text"])
+    finally:
+        hook.remove()
+    assert calls, "the pipeline never called the drafter"
+    assert texts[0] != texts[1], "the image did not change the text"
 
 
 def test_dflash2_drafter_with_an_image(tmp_path):
