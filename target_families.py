@@ -534,14 +534,18 @@ def vision_prompt(target, input_ids, mask, inputs: dict, given_positions=None):
             ``position_ids`` handed to the decoding function, or None.
 
     Raises:
-        NotImplementedError: an M-RoPE target with neither ``get_rope_index`` nor generate-built positions.
+        NotImplementedError: an M-RoPE target with neither ``get_rope_index`` nor generate-built M-RoPE positions.
     """
     if not inputs:
         return None
     last = mask.sum(1) - 1  # (B,) 1-D position of each row's last prompt token
     if given_positions is not None:
-        if given_positions.dim() == 2:
+        if given_positions.dim() == 2 and not _mrope(target):
             return VisionPrompt(inputs)  # plain positions (Gemma 3/4)
+        if given_positions.dim() == 2:
+            raise NotImplementedError(
+                f"{type(target).__name__} takes M-RoPE positions but its generate builds plain ones: spec_generate "
+                "cannot place the tokens after its images as the model does; pass a text-only prompt")
         return VisionPrompt(inputs, given_positions, given_positions[..., -1] - last[None])
     rope_index = _rope_index(target)
     if rope_index is None:

@@ -5,7 +5,7 @@ Tiny targets built in-process from the real transformers classes (vision tower d
 16x16 pixels in patches of 4; text model vocab 97, hidden 40, 3 layers, peaked attention), a tiny DFlash
 drafter (and a DFlash 2 one) saved and loaded back through ``AutoModel`` + ``trust_remote_code``.
 
-* Qwen3-VL (4.57 and 5.x) and Qwen3.5 (5.x, hybrid Gated DeltaNet): M-RoPE, whose positions after an
+* Qwen3-VL, Qwen2.5-VL (4.57 and 5.x) and Qwen3.5 (5.x, hybrid Gated DeltaNet): M-RoPE, whose positions after an
   image are NOT a plain range; images, video, and a left-padded batch whose rows hold different numbers
   of images. Planted bug "positions after the image as a plain range" (``rope=None`` for the verify
   forwards in ``_decode``): every Qwen test here fails.
@@ -50,6 +50,17 @@ def qwen3_vl():
         vision_start_token_id=V_START, vision_end_token_id=V_END)
     torch.manual_seed(0)
     return _finish(transformers.Qwen3VLForConditionalGeneration(cfg))
+
+
+def qwen2_5_vl():
+    """Qwen2.5-VL: M-RoPE through its own get_rope_index (windowed vision attention, no deepstack)."""
+    mrope = {"type": "mrope", "mrope_section": [2, 2, 1]}
+    vision = dict(QWEN_VISION, embed_dim=16, fullatt_block_indexes=[0], window_size=8)
+    cfg = transformers.Qwen2_5_VLConfig(text_config=dict(TEXT, rope_scaling=mrope), vision_config=vision,
+                                        image_token_id=IMG, video_token_id=VID, vision_start_token_id=V_START,
+                                        vision_end_token_id=V_END, **dict(TEXT, rope_scaling=mrope))
+    torch.manual_seed(0)
+    return _finish(transformers.Qwen2_5_VLForConditionalGeneration(cfg))
 
 
 def qwen3_5():
@@ -138,7 +149,7 @@ def gemma4_inputs(target, rows, images, seed=0, video=False):
                 image_position_ids=grid[None].expand(images, -1, -1).clone(), mm_token_type_ids=(ids == IMG).long())
 
 
-FAMILIES = {"qwen3_vl": (qwen3_vl, qwen_inputs), "qwen3_5": (qwen3_5, qwen_inputs), "gemma3": (gemma3, gemma_inputs),
+FAMILIES = {"qwen3_vl": (qwen3_vl, qwen_inputs), "qwen2_5_vl": (qwen2_5_vl, qwen_inputs), "qwen3_5": (qwen3_5, qwen_inputs), "gemma3": (gemma3, gemma_inputs),
             "gemma4": (gemma4, gemma4_inputs)}
 
 
@@ -174,6 +185,16 @@ def test_ragged_batch_with_different_numbers_of_images_per_row(drafter, family):
     build, make = FAMILIES[family]
     rows = [[5, *_image(), 7, 8], [5, *_image(2), 7, 8, 9, 10], [11, 12, 13, *_image(), 14]]
     _assert_exact_and_seeing(drafter[1], build(), make, rows, 4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+def test_text_only_prompt_to_a_vision_language_target(drafter, family):
+    """No image: the text path (plain positions, the loop's own masks) stays exact on the wrapper."""
+    target = FAMILIES[family][0]()
+    ids, mask = _left_pad([[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]])
+    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    out = drafter[1].spec_generate(target=target, input_ids=ids, attention_mask=mask, max_new_tokens=NEW)
+    assert out.tolist() == ref.tolist()
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
