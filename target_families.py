@@ -13,6 +13,8 @@ One place for every family rule (notes sections 3 and 7):
   ``dynamic`` refused before any forward once a verify block could reach the switch; ``longrope``
   on Phi-3-style targets followed across it as their generate does (blocks clamped below the
   switch, one re-prefill at it), batch 1 only;
+* vision-language targets: their multimodal inputs for the prefill and, per call and per row, the
+  positions the target gives every later token (Qwen M-RoPE deltas; plain for Gemma 3/4);
 * the execution device of an accelerate-offloaded target, and taps moved to the draft's device.
 """
 
@@ -592,6 +594,6 @@ __all__ = [
     "FAMILY", "block_embedding_scale", "concat_taps", "draft_block_embedding", "draft_logits",
     "check_family", "check_rope", "check_tap", "decoder_parts", "draft_device", "execution_device",
     "layer_windows", "longrope_block_limit", "prefill_kwargs", "rope_switch", "sliding_target", "static_rope_reason",
-    "target_mask", "text_config", "verify_budget", "window_masks", "pop_model_inputs", "prepared_model_inputs", "vision_prompt",
-    "VisionPrompt",
+    "target_mask", "text_config", "verify_budget", "window_masks", "pop_model_inputs", "prepared_model_inputs",
+    "vision_prompt", "VisionPrompt",
 ]

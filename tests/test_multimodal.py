@@ -19,12 +19,14 @@ tokenizer + the PIL image processor); Qwen's image processors need torchvision, 
 environment does not install.
 """
 
+import inspect
+
 import pytest
 import torch
 import transformers
 
-from tiny import HIDDEN, VOCAB, peak, tiny_draft
 from test_dflash2_generate import dflash2_draft
+from tiny import HIDDEN, VOCAB, peak, tiny_draft
 
 IMG, VID, V_START, V_END = 90, 91, 92, 93
 NEW = 14
@@ -116,7 +118,8 @@ def _left_pad(rows):
 
 
 def _image(n=1):
-    return [V_START] + [IMG] * 4 * n + [V_END] if n == 1 else sum(([V_START] + [IMG] * 4 + [V_END] for _ in range(n)), [])
+    """``n`` pictures of 4 image tokens each, each wrapped in vision start / end."""
+    return ([V_START] + [IMG] * 4 + [V_END]) * n
 
 
 def qwen_inputs(target, rows, images, seed=0, video=False):
@@ -127,13 +130,13 @@ def qwen_inputs(target, rows, images, seed=0, video=False):
     pixels = torch.randn(images * grid[0] * 16, PATCH, generator=gen)
     kw = {"pixel_values_videos" if video else "pixel_values": pixels,
           "video_grid_thw" if video else "image_grid_thw": torch.tensor([grid] * images)}
-    import inspect
-    if "mm_token_type_ids" in inspect.signature(target.forward).parameters:
+    if "mm_token_type_ids" in inspect.signature(target.forward).parameters:  # 5.x processors return it
         kw["mm_token_type_ids"] = (ids == VID).long() * 2 + (ids == IMG).long()
     return dict(input_ids=ids, attention_mask=mask, **kw)
 
 
 def gemma_inputs(target, rows, images, seed=0, video=False):
+    """Gemma 3: one 3x16x16 picture per image, 4 image tokens each; token_type_ids mark them (bidirectional)."""
     ids, mask = _left_pad(rows)
     gen = torch.Generator().manual_seed(seed)
     return dict(input_ids=ids, attention_mask=mask, token_type_ids=(ids == IMG).long(),
@@ -149,8 +152,8 @@ def gemma4_inputs(target, rows, images, seed=0, video=False):
                 image_position_ids=grid[None].expand(images, -1, -1).clone(), mm_token_type_ids=(ids == IMG).long())
 
 
-FAMILIES = {"qwen3_vl": (qwen3_vl, qwen_inputs), "qwen2_5_vl": (qwen2_5_vl, qwen_inputs), "qwen3_5": (qwen3_5, qwen_inputs), "gemma3": (gemma3, gemma_inputs),
-            "gemma4": (gemma4, gemma4_inputs)}
+FAMILIES = {"qwen3_vl": (qwen3_vl, qwen_inputs), "qwen2_5_vl": (qwen2_5_vl, qwen_inputs), "qwen3_5": (qwen3_5, qwen_inputs),
+            "gemma3": (gemma3, gemma_inputs), "gemma4": (gemma4, gemma4_inputs)}
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +293,6 @@ def test_readme_vision_block_runs():
     from test_readme import readme_blocks
 
     code = readme_blocks()["vision"]
-    if "mm_token_type_ids" not in __import__("inspect").signature(transformers.Qwen3VLModel.forward).parameters:
+    if "mm_token_type_ids" not in inspect.signature(transformers.Qwen3VLModel.forward).parameters:
         code = code.replace(", mm_token_type_ids=(input_ids == IMAGE).long()", "")  # as the README says for 4.57
     exec(compile(code, "README:vision", "exec"), {})
