@@ -190,6 +190,17 @@ def test_ragged_batch_with_different_numbers_of_images_per_row(drafter, family):
     _assert_exact_and_seeing(drafter[1], build(), make, rows, 4)
 
 
+def test_sampling_path_with_images_keeps_the_targets_tokens(drafter):
+    """do_sample=True with top_k=1: the speculative-sampling path (draws, rejection test) under M-RoPE
+    positions must give generate's greedy tokens whatever the draws."""
+    target = qwen3_vl()
+    inputs = qwen_inputs(target, [[5, *_image(), 7, 8], [9, *_image(2), 10]], 3)
+    ref = target.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    out = drafter[1].spec_generate(target=target, **inputs, max_new_tokens=NEW, do_sample=True, top_k=1,
+                                   generator=torch.Generator().manual_seed(0))
+    assert out.tolist() == ref.tolist()
+
+
 @pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
 def test_text_only_prompt_to_a_vision_language_target(drafter, family):
     """No image: the text path (plain positions, the loop's own masks) stays exact on the wrapper."""
