@@ -185,9 +185,11 @@ def _prefill_commit(run, first, scores, logits):
 
 
 def _forward_target(target, cache_kw, cache, tokens, positions, valid, windows, tokens_valid=None, record=True,
-                    **extra):
+                    rope=None, **extra):
     """Target logits ``(A, n, V)`` for ``tokens`` at ``positions``, over cache slots marked ``valid``
-    (None: every slot is valid, no mask built and no host synchronisation).
+    (None: every slot is valid, no mask built and no host synchronisation). ``rope``: the target's own
+    position ids of the tokens where they differ from the 1-D ``positions`` (vision-language targets,
+    ``target_families.VisionPrompt``); ``extra`` may hold the prefill's own ``attention_mask``.
 
     Slots a row does not own are masked; on sliding-window targets the mask also counts each
     window in true positions (``target_families.target_mask``), so holes never shift it. Hybrid
@@ -197,8 +199,9 @@ def _forward_target(target, cache_kw, cache, tokens, positions, valid, windows, 
     if valid is not None:
         tokens_valid = torch.ones_like(tokens) if tokens_valid is None else tokens_valid
         mask = _families.target_mask(target, windows, tokens_valid, positions, valid)
+    extra.setdefault("attention_mask", mask)
     with recording(cache) if record else contextlib.nullcontext():  # hybrid: snapshot + mixer inputs
-        return run_target(target, input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+        return run_target(target, input_ids=tokens, position_ids=positions if rope is None else rope, use_cache=True,
                           **extra, **{cache_kw: cache}).logits  # run_target: taps of a compiled target
 
 

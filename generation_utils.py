@@ -63,7 +63,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
 logger = logging.get_logger(__name__)
 
 
-def _through_generate(target, input_ids, attention_mask, loop, **generate_kwargs):
+def _through_generate(target, input_ids, attention_mask, loop, model_inputs=None, **generate_kwargs):
     """Run ``target.generate`` up to its decoding loop, then ``loop`` instead of its own; returns what
     ``loop`` returned.
 
@@ -74,16 +74,25 @@ def _through_generate(target, input_ids, attention_mask, loop, **generate_kwargs
     ``(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)``.
     This is the one place that relies on that contract (tested on 4.57 and 5.x). On that path
     generate drops ``tokenizer`` (see ``_stop_strings``); its result is ignored (4.57 post-processes it).
+    ``model_inputs`` (multimodal inputs, ``target_families.pop_model_inputs``) go to generate as model
+    kwargs; the loop gets them back as generate prepared them (expanded for ``num_return_sequences``),
+    with generate's own ``position_ids`` where it built them (transformers 5.x).
     """
-    result = {}
+    result, model_inputs = {}, model_inputs or {}
 
     def decoding(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                  **model_kwargs):
-        result["out"] = loop(input_ids, model_kwargs.get("attention_mask"), generation_config,
-                             logits_processor, stopping_criteria)
+        mask = model_kwargs.get("attention_mask")
+        vision = None
+        if model_inputs:
+            inputs = _families.prepared_model_inputs(model_kwargs)
+            full = torch.ones_like(input_ids) if mask is None else mask.to(device=input_ids.device, dtype=torch.long)
+            vision = _families.vision_prompt(model, input_ids, full, inputs, model_kwargs.get("position_ids"))
+        result["out"] = loop(input_ids, mask, generation_config, logits_processor, stopping_criteria, vision)
         return input_ids
 
-    target.generate(input_ids, attention_mask=attention_mask, custom_generate=decoding, **generate_kwargs)
+    target.generate(input_ids, attention_mask=attention_mask, custom_generate=decoding, **model_inputs,
+                    **generate_kwargs)
     return result["out"]
 
 
@@ -176,6 +185,12 @@ def spec_generate(
             are ordinary tensors either way; pass False when tensors made during the call must be
             usable by autograd afterwards (e.g. features kept by the caller's own forward hooks).
         mask_token_id: override of ``draft.config.mask_token_id``.
+        pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, token_type_ids,
+            mm_token_type_ids, image_sizes, ... (keywords): a vision-language target's own inputs, any name
+            its ``forward`` takes besides the prompt, as the processor returns them. They go to ``generate``
+            and reach the prefill exactly as it prepares them (``target_families.pop_model_inputs``); every
+            later verify forward uses the target's own positions (Qwen M-RoPE: positions after an image
+            are the sequence index + a per-row delta, computed per call, ``target_families.VisionPrompt``).
         cache / past_key_values (keywords; ``cache=`` on transformers >= 5 only, as in generate): a
             ``DynamicCache`` holding the first tokens of ``input_ids`` (batch 1, no padding): only the rest is
             prefilled. It is advanced in place, as generate does (``copy.deepcopy`` it to reuse it, e.g. a
@@ -203,6 +218,10 @@ def spec_generate(
         [`DFlashGenerateOutput`] (a ``GenerateDecoderOnlyOutput`` with tau and per-slot acceptance, and at
         batch 1 the target's cache to continue from).
 
+    Draft context and positions: the draft reads the target's features at every committed position,
+    image and video tokens included, at 1-D positions (the sequence index with image tokens counted, as
+    in its training), whatever positions the target itself uses.
+
     Batches: every row keeps its own true positions (``cumsum(attention_mask) - 1``) and accepts its
     own number of tokens per step. Rows share one KV cache per model; slots a row does not own
     (left padding, drafts it rejected while another row accepted more) are masked out of attention
@@ -228,7 +247,9 @@ def spec_generate(
             families refused by name (``target_families``), a call that would cross a ``dynamic``
             RoPE switch (no budget: any such target), or a ``longrope`` one in a batch, with padding,
             or where generate's own re-prefill is not followed (``target_families.check_rope``;
-            Phi-3-style targets at batch 1 cross it exactly: blocks clamped, one re-prefill).
+            Phi-3-style targets at batch 1 cross it exactly: blocks clamped, one re-prefill); multimodal
+            inputs with the static loop, a passed cache or a longrope re-prefill, for Mllama, or for an
+            M-RoPE target without ``get_rope_index`` (``target_families.vision_prompt``).
     """
     _check_is_causal_lm(target)
     _families.check_family(target)
@@ -247,6 +268,7 @@ def spec_generate(
                   output_scores=output_scores, output_logits=output_logits)
     passed_cache = pop_passed_cache(kwargs)  # cache= / past_key_values=: continue from it (cache_reuse.py)
     call_options = _call_options(kwargs, target)  # synced_gpus, use_model_defaults (generate's own parameters)
+    model_inputs = _families.pop_model_inputs(target, _forward_params(target), kwargs)  # pixel_values, ...
     static = _static_request(kwargs, generation_config, target)  # before generate is told cache_implementation=None
     gen_kwargs = _generate_kwargs(passed, kwargs, stop_token_ids, generation_config, target)
     if generation_config is not None:
@@ -259,11 +281,12 @@ def spec_generate(
     if stop_strings is not None:
         criteria.append(stop_strings)
 
-    def loop(ids, mask, config, processors, stops):
+    def loop(ids, mask, config, processors, stops, vision=None):
         return _spec_loop(draft, target, ids, mask, config, processors, stops, block_size=block_size,
                           mask_token_id=mask_token_id, generator=generator, sample_draft=sample_draft,
                           streamer=streamer, output_timings=output_timings, static=static,
-                          adaptive=adaptive_block_size, inference_mode=inference_mode, passed_cache=passed_cache)
+                          adaptive=adaptive_block_size, inference_mode=inference_mode, passed_cache=passed_cache,
+                          vision=vision)
 
     if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
         if streamer is not None:
@@ -274,7 +297,7 @@ def spec_generate(
         if wants_dict is None:
             wants_dict = (generation_config or target.generation_config).return_dict_in_generate
         return out if wants_dict else out.sequences
-    return _through_generate(target, input_ids, prompt_mask, loop, generation_config=generation_config,
+    return _through_generate(target, input_ids, prompt_mask, loop, model_inputs, generation_config=generation_config,
                              logits_processor=logits_processor, stopping_criteria=criteria,
                              prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, streamer=streamer, **call_options,
                              **gen_kwargs)
@@ -282,8 +305,9 @@ def spec_generate(
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
                generator, sample_draft, streamer, output_timings, static=None, adaptive=False, inference_mode=True,
-               passed_cache=None):
-    """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``."""
+               passed_cache=None, vision=None):
+    """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``.
+    ``vision``: the call's multimodal prompt (``target_families.VisionPrompt``), or None."""
     _check_refused(config)
     bsz = input_ids.shape[0]
     if bsz > 1 and streamer is not None:
@@ -295,6 +319,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     stops = _Stops(criteria, input_ids.shape[1], bsz)
     budget = stops.budget if stops.budget is not None else 1 << 40
     rope_switch = _families.check_rope(target, int(mask.sum(1).max()), budget, bsz, not bool(mask.all()))
+    _check_vision(vision, static, passed_cache, rope_switch)
     want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
     return_dict = bool(config.return_dict_in_generate)
     processors = processors if processors is not None else LogitsProcessorList()
@@ -319,12 +344,25 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
         else:
             with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
-                        run, adaptive, rope_switch, passed_cache)
+                        run, adaptive, rope_switch, passed_cache, vision)
     stops.trim(run.chunks)  # no eos criterion: rows end where the batch's last row stopped
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
         streamer.end()
     return out if return_dict else out.sequences
+
+
+def _check_vision(vision, static, passed_cache, rope_switch) -> None:
+    """NotImplementedError naming what a multimodal call cannot combine with, before any forward."""
+    if vision is None:
+        return
+    for given, what in ((static, "the static loop (cache_implementation='static' and its aliases)"),
+                        (passed_cache, "a passed cache (cache= / past_key_values=)"),
+                        (rope_switch, "crossing a longrope switch (re-prefill)")):
+        if given:
+            raise NotImplementedError(
+                f"multimodal inputs {sorted(vision.inputs)} cannot be combined with {what} in spec_generate; "
+                "drop that option (the dynamic loop prefills the images)")
 
 
 # Passed in the call, these follow the static loop's rules (transformers' names for static caches with sliding
@@ -486,10 +524,13 @@ def _drop_finished(rows, done: list, caches, device) -> bool:
 
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
-            run, adaptive=False, rope_switch=None, passed_cache=None):
+            run, adaptive=False, rope_switch=None, passed_cache=None, vision=None):
     """The speculative loop; fills ``run.out`` / ``run.chunks`` in place. ``rope_switch``: the longrope
     switch this call crosses (``target_families.check_rope``), else None. ``passed_cache``: a target cache
-    holding the first tokens of ``input_ids`` (batch 1), continued in place (``cache_reuse.Resume``)."""
+    holding the first tokens of ``input_ids`` (batch 1), continued in place (``cache_reuse.Resume``).
+    ``vision``: a multimodal prompt (``target_families.VisionPrompt``): its inputs, the target's positions
+    and generate's 2-D mask go to the prefill, and every verify forward takes the target's positions
+    (``vision.rope``); the draft keeps 1-D positions and the features of every position."""
     device, bsz, out = input_ids.device, input_ids.shape[0], run.out
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     selector = getattr(draft, "candidate_selector", None)  # DFlash 2: drafts by its candidate-selector walk
@@ -504,8 +545,12 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
     positions = (prompt_mask.cumsum(1) - 1).clamp_min(0)  # true positions under left padding
     windows = _families.layer_windows(target)
     extra = _families.prefill_kwargs(target, _forward_params(target))
-    logits = _forward_target(target, cache_kw, target_cache, input_ids[:, n:], positions[:, n:],
-                             prompt_mask[:, :0] if holes else None, windows, prompt_mask, record=False, **extra)
+    if vision is None:
+        logits = _forward_target(target, cache_kw, target_cache, input_ids[:, n:], positions[:, n:],
+                                 prompt_mask[:, :0] if holes else None, windows, prompt_mask, record=False, **extra)
+    else:  # the model's own prefill: its multimodal inputs and positions, generate's 2-D mask
+        logits = _forward_target(target, cache_kw, target_cache, input_ids, positions, None, windows, record=False,
+                                 rope=vision.prefill_positions, attention_mask=prompt_mask, **extra, **vision.inputs)
     first, scores = sampling.first(logits[:, -1], input_ids)
     out.num_target_forwards, out.num_draft_forwards = 1, 0
     rows = _Rows(ids=torch.arange(bsz, device=device), anchor=first[:, None], start=prompt_mask.sum(1),
@@ -534,7 +579,8 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
             block = torch.cat([rows.anchor, drafts.to(device)], dim=1)  # (A, b)
             rows.context_drafted(draft_cache.get_seq_length())
             out.num_draft_forwards += 1
-        logits = _forward_target(target, cache_kw, target_cache, block, positions, rows.target_valid, windows)
+        logits = _forward_target(target, cache_kw, target_cache, block, positions, rows.target_valid, windows,
+                                 rope=None if vision is None else vision.rope(positions, rows.ids))
         out.num_target_forwards += 1
         accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
         committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor

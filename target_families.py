@@ -13,9 +13,12 @@ One place for every family rule (notes sections 3 and 7):
   ``dynamic`` refused before any forward once a verify block could reach the switch; ``longrope``
   on Phi-3-style targets followed across it as their generate does (blocks clamped below the
   switch, one re-prefill at it), batch 1 only;
+* vision-language targets: their multimodal inputs for the prefill and, per call and per row, the
+  positions the target gives every later token (Qwen M-RoPE deltas; plain for Gemma 3/4);
 * the execution device of an accelerate-offloaded target, and taps moved to the draft's device.
 """
 
+import inspect
 import sys
 
 import torch
@@ -432,6 +435,134 @@ def draft_logits(config, head, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+# ----------------------------------------------------------------------------- vision-language targets
+
+# Parameters of a target's forward that the loop builds itself: never taken from the caller as model inputs.
+_LOOP_ARGUMENTS = frozenset({
+    "self", "args", "kwargs", "input_ids", "attention_mask", "position_ids", "past_key_values", "cache",
+    "inputs_embeds", "labels", "use_cache", "cache_position", "logits_to_keep", "output_attentions",
+    "output_hidden_states", "return_dict",
+})
+# Families whose generate feeds more than the prompt's multimodal inputs at later steps; name -> reason.
+_REFUSED_VISION = {
+    "mllama": "its text layers cross-attend to the image at every step (cross_attention_mask grows with each "
+              "token), which a verify block does not reproduce",
+}
+
+
+def pop_model_inputs(target, forward_params, kwargs: dict) -> dict:
+    """Pop the target's own prompt inputs besides ``input_ids`` (``pixel_values``, ``image_grid_thw``,
+    ``pixel_values_videos``, ``video_grid_thw``, ``token_type_ids``, ``mm_token_type_ids``, ``image_sizes``
+    ...: any name ``target.forward`` takes that the loop does not build) out of ``kwargs``; those left at
+    None are dropped. Returns them as a dict (empty for a text-only call).
+
+    Raises:
+        NotImplementedError: multimodal inputs for a family in ``_REFUSED_VISION`` or for a target whose
+            M-RoPE positions (``mrope_section`` in its rope config) have no public ``get_rope_index`` and come
+            from no generate-built ``position_ids`` (checked later, [`vision_prompt`]), before any forward.
+    """
+    found = {k: kwargs.pop(k) for k in list(kwargs) if k in forward_params and k not in _LOOP_ARGUMENTS}
+    found = {k: v for k, v in found.items() if v is not None}
+    if found:
+        for cfg in (target.config, text_config(target)):
+            kind = getattr(cfg, "model_type", None)
+            if kind in _REFUSED_VISION:
+                raise NotImplementedError(
+                    f"multimodal inputs {sorted(found)} for target family {kind!r} are not supported by "
+                    f"spec_generate: {_REFUSED_VISION[kind]}")
+    return found
+
+
+def prepared_model_inputs(model_kwargs: dict) -> dict:
+    """The prompt's model inputs as ``generate`` prepared them for its first forward (the ``model_kwargs``
+    handed to a ``custom_generate`` callable), less what the loop builds itself: transformers 5.x replaces
+    ``pixel_values`` there by the vision tower's ``mm_encoder_outputs``, so the caller's names are not enough."""
+    return {k: v for k, v in model_kwargs.items() if v is not None and k not in _LOOP_ARGUMENTS}
+
+
+def _mrope(target) -> bool:
+    """The text model's RoPE takes multi-axis positions (Qwen2/2.5/3-VL, Qwen3.5 M-RoPE)."""
+    cfg = text_config(target)
+    return any(isinstance(e, dict) and "mrope_section" in e for e in (
+        getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)))
+
+
+def _rope_index(target):
+    """The target's public ``get_rope_index`` (on the wrapper or its ``model``), or None."""
+    for owner in (target, getattr(target, "model", None)):
+        method = getattr(owner, "get_rope_index", None)
+        if callable(method):
+            return method
+    return None
+
+
+class VisionPrompt:
+    """One call's multimodal prompt: what the target's prefill takes and the positions of every later token.
+
+    Built per call from the call's own inputs (nothing read from state kept on the target between calls,
+    such as ``model.rope_deltas``).
+
+    Attributes:
+        inputs: the multimodal inputs, handed to the prefill only (generate drops pixel values after the
+            first step through the model's ``prepare_inputs_for_generation``; later tokens are text).
+        prefill_positions: ``(C, B, L)`` long, the target's own position ids of the prompt (M-RoPE: C = 3
+            on transformers 4.x, 4 = text + 3 M-RoPE axes on 5.x), or None (plain positions).
+        deltas: ``(C, B)`` long or None: a token at 1-D true position ``p`` of row ``b`` (image tokens
+            counted) has the target position ``p + deltas[:, b]``; None: plain positions.
+    """
+
+    def __init__(self, inputs: dict, prefill_positions=None, deltas=None):
+        self.inputs, self.prefill_positions, self.deltas = inputs, prefill_positions, deltas
+
+    def rope(self, positions: torch.Tensor, rows: torch.Tensor):
+        """``(C, A, n)`` target positions for 1-D ``positions`` ``(A, n)`` of original rows ``rows`` ``(A,)``,
+        or None (plain positions: the target takes ``positions`` themselves)."""
+        if self.deltas is None:
+            return None
+        return positions[None] + self.deltas[:, rows, None]  # (C, A, n)
+
+
+def vision_prompt(target, input_ids, mask, inputs: dict, given_positions=None):
+    """The [`VisionPrompt`] of a call with multimodal ``inputs`` (None for a text-only call).
+
+    Positions follow the target's own generate: on transformers 5.x generate builds ``position_ids``
+    before decoding (``given_positions``; M-RoPE models: ``(4, B, L)`` text + 3 axes) and advances every
+    axis by one per token, so ``deltas`` = the last prompt position - its 1-D position; on 4.x the
+    M-RoPE models compute them in ``forward``: the prompt from ``get_rope_index`` and later tokens at
+    cache slot + ``rope_deltas``, the slot being the 1-D position + the row's left padding.
+
+    Args:
+        input_ids: ``(B, L)``; mask: ``(B, L)`` 0/1 left padding; given_positions: generate's
+            ``position_ids`` handed to the decoding function, or None.
+
+    Raises:
+        NotImplementedError: an M-RoPE target with neither ``get_rope_index`` nor generate-built M-RoPE positions.
+    """
+    if not inputs:
+        return None
+    last = mask.sum(1) - 1  # (B,) 1-D position of each row's last prompt token
+    if given_positions is not None:
+        if given_positions.dim() == 2 and not _mrope(target):
+            return VisionPrompt(inputs)  # plain positions (Gemma 3/4)
+        if given_positions.dim() == 2:
+            raise NotImplementedError(
+                f"{type(target).__name__} takes M-RoPE positions but its generate builds plain ones: spec_generate "
+                "cannot place the tokens after its images as the model does; pass a text-only prompt")
+        return VisionPrompt(inputs, given_positions, given_positions[..., -1] - last[None])
+    rope_index = _rope_index(target)
+    if rope_index is None:
+        if _mrope(target):
+            raise NotImplementedError(
+                f"{type(target).__name__} takes M-RoPE positions but has no get_rope_index: spec_generate cannot "
+                "place the tokens after its images exactly; pass a text-only prompt")
+        return VisionPrompt(inputs)
+    params = inspect.signature(rope_index).parameters
+    positions, deltas = rope_index(input_ids, attention_mask=mask, **{k: v for k, v in inputs.items() if k in params})
+    padding = input_ids.shape[1] - mask.sum(1)  # (B,)
+    deltas = (deltas.reshape(-1).to(positions.device) + padding.to(positions.device))[None]  # (1, B)
+    return VisionPrompt(inputs, positions, deltas.expand(positions.shape[0], -1))
+
+
 # ----------------------------------------------------------------------------- devices
 
 
@@ -463,5 +594,6 @@ __all__ = [
     "FAMILY", "block_embedding_scale", "concat_taps", "draft_block_embedding", "draft_logits",
     "check_family", "check_rope", "check_tap", "decoder_parts", "draft_device", "execution_device",
     "layer_windows", "longrope_block_limit", "prefill_kwargs", "rope_switch", "sliding_target", "static_rope_reason",
-    "target_mask", "text_config", "verify_budget", "window_masks",
+    "target_mask", "text_config", "verify_budget", "window_masks", "pop_model_inputs", "prepared_model_inputs",
+    "vision_prompt", "VisionPrompt",
 ]

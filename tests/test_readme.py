@@ -33,7 +33,7 @@ def test_readme_blocks_run_on_tiny_models(hub, capsys):
     from modeling_dflash import native_dflash_available
 
     blocks = readme_blocks()
-    assert set(blocks) == {"pair", "usage", "native", "custom_generate", "batch", "chat"}
+    assert set(blocks) == {"pair", "usage", "native", "custom_generate", "batch", "chat", "vision"}
     namespace, calls, expected = {}, [], None
     for name in ("usage", "native", "custom_generate", "batch"):
         code = blocks[name]
