@@ -164,3 +164,18 @@ def test_bench_bad_arguments_stop_before_any_work(argv, expected, capsys):
     with pytest.raises(SystemExit) as stop:
         cli.parse_args(argv)
     assert stop.value.code == 2 and expected in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (PAIR / "drafter" / "config.json").exists(), reason="no embedded pair")
+def test_step_split_script_times_target_draft_and_glue(tmp_path):
+    """``bench/step_split.py`` on the embedded pair, one prompt: every step has one target and one draft
+    forward, the parts add up to the step, and the JSON is written."""
+    from bench import step_split
+
+    out = tmp_path / "split.json"
+    report = step_split.run(step_split.parse_args(["--num-prompts", "1", "--max-new-tokens", "12", "--block-size", "4",
+                                                   "--rounds", "1", "--out", str(out)]))
+    package = report["summary"]["package"]
+    assert package["steps"] >= 3 and package["target"] > 0 and package["draft"] > 0
+    assert package["step"] == pytest.approx(package["target"] + package["draft"] + package["glue"])
+    assert json.loads(out.read_text())["summary"] == json.loads(json.dumps(report["summary"]))
