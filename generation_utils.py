@@ -508,6 +508,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
                              prompt_mask[:, :0] if holes else None, windows, prompt_mask, record=False, **extra)
     first, scores = sampling.first(logits[:, -1], input_ids)
     out.num_target_forwards, out.num_draft_forwards = 1, 0
+    verifies = drafts_run = 0  # forwards counted on the host, added to `out` (a ModelOutput: slow setattr) at the end
     rows = _Rows(ids=torch.arange(bsz, device=device), anchor=first[:, None], start=prompt_mask.sum(1),
                  n_new=torch.ones(bsz, dtype=torch.long, device=device), target_valid=prompt_mask if holes else None,
                  draft_valid=None, ctx=resume.context(_Context(features(), positions[:, n:], prompt_mask if holes else None)),
@@ -533,9 +534,9 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
             drafts, q = sampling.walk(selector, *drafted, rows) if walk else sampling.propose(drafted, rows)
             block = torch.cat([rows.anchor, drafts.to(device)], dim=1)  # (A, b)
             rows.context_drafted(draft_cache.get_seq_length())
-            out.num_draft_forwards += 1
+            drafts_run += 1
         logits = _forward_target(target, cache_kw, target_cache, block, positions, rows.target_valid, windows)
-        out.num_target_forwards += 1
+        verifies += 1
         accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
         committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor
         new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
@@ -558,6 +559,8 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         rows.start, rows.n_new, rows.anchor = rows.start + committed, rows.n_new + committed, next_token[:, None]
         rows.host_new = [n + c for n, c in zip(rows.host_new, counts)]
 
+    out.num_target_forwards += verifies
+    out.num_draft_forwards += drafts_run
     resume.finish(out, rows, draft_cache)
     if output_timings:
         t2 = _sync(device)

@@ -2,6 +2,7 @@
 
     python -m bench.step_split                                   # the package's loop on the shipped pair
     python -m bench.step_split --reference-dir REFERENCE_DIR    # + the authors' loop, interleaved
+    python -m bench.step_split --baseline OLD_DRAFTER_DIR      # + a drafter folder with its own (older) code
     python bench/step_split.py --num-prompts 1 --max-new-tokens 16
 
 Every run is greedy at one block size on the held-out prompts (``pair/heldout_prompts.json``, the
@@ -16,7 +17,8 @@ the loops' own code is timed without being edited. Per run, after the prefill (t
 
 Figures are per verify step (target forwards less the prefill), pooled over the prompts of a round; the
 package / authors ratio is the median of per-round ratios (the two loops alternate prompt by prompt,
-in rotated order). Writes a JSON report (``--out``) and prints a table.
+in rotated order; ``--baseline``: the same with a drafter folder carrying the package's code before a
+change, for before/after figures on a loaded machine). Writes a JSON report (``--out``) and prints a table.
 """
 from __future__ import annotations
 
@@ -128,22 +130,22 @@ def measure(loops: dict, target, prompts, new: int, block_size: int, rounds: int
 
 
 def summarize(rounds: dict) -> dict:
-    """Per loop: the median over rounds of each part (ms per step); with two loops, ``ratio`` (first / second)
-    per part, the median of per-round ratios."""
+    """Per loop: the median over rounds of each part (ms per step); ``ratio package/<other>`` for every other
+    loop: per part, the median of per-round ratios."""
     out = {name: {p: statistics.median(r[p] for r in rs) for p in PARTS} | {"steps": rs[0]["steps"]}
            for name, rs in rounds.items()}
-    names = list(rounds)
-    if len(names) == 2:
-        a, b = rounds[names[0]], rounds[names[1]]
-        out["ratio"] = {p: statistics.median(x[p] / y[p] for x, y in zip(a, b) if y[p]) for p in PARTS}
+    first, *others = list(rounds)
+    for other in others:
+        a, b = rounds[first], rounds[other]
+        out[f"ratio {first}/{other}"] = {p: statistics.median(x[p] / y[p] for x, y in zip(a, b) if y[p]) for p in PARTS}
     return out
 
 
 def table(summary: dict) -> str:
     lines = ["| loop | step ms | target ms | draft ms | glue ms | steps per round |", "|---|---|---|---|---|---|"]
     for name, e in summary.items():
-        if name == "ratio":
-            lines.append("| ratio (median per round) | " + " | ".join(f"{e[p]:.3f}" for p in PARTS) + " | |")
+        if name.startswith("ratio"):
+            lines.append(f"| {name} (median per round) | " + " | ".join(f"{e[p]:.3f}" for p in PARTS) + " | |")
         else:
             lines.append(f"| {name} | " + " | ".join(f"{e[p]:.2f}" for p in PARTS) + f" | {e['steps']} |")
     return "\n".join(lines)
@@ -159,12 +161,15 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reference-dir", help="local copy of the authors' repository (the folder holding dflash/)")
+    ap.add_argument("--baseline", help="a drafter folder with its own (older) remote code, run as a third loop")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="step_split.json", help="'' for none")
     args = ap.parse_args(argv)
     for flag in ("num_prompts", "max_new_tokens", "block_size", "rounds", "threads"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.baseline and not (Path(args.baseline) / "config.json").is_file():
+        ap.error(f"--baseline {args.baseline}: no config.json there; pass a drafter folder")
     if args.reference_dir and not (Path(args.reference_dir) / "dflash" / "model.py").is_file():
         ap.error(f"--reference-dir {args.reference_dir}: expected a copy of the authors' repository (with dflash/model.py)")
     return args
@@ -182,12 +187,17 @@ def run(args) -> dict:
     records = local_prompts(args.prompts, args.num_prompts)
     prompts = [torch.tensor([encode(tok, r["turns"][0])]) for r in records]
     loops = {"package": (draft, lambda ids, n, b: _package_run(draft, target, ids, n, b))}
+    if args.baseline:
+        from transformers import AutoModel
+
+        old = AutoModel.from_pretrained(args.baseline, trust_remote_code=True, dtype=dtype).eval()
+        loops["baseline"] = (old, lambda ids, n, b: _package_run(old, target, ids, n, b))
     if args.reference_dir:
         fn, ref = C.load_reference(args.reference_dir, args.draft, dtype, device)
         loops["authors"] = (ref, lambda ids, n, b: _reference_run(fn, ref, target, ids, n, b))
     rounds = measure(loops, target, prompts, args.max_new_tokens, args.block_size, args.rounds)
     summary = summarize(rounds)
-    report = {"settings": {k: v for k, v in vars(args).items() if k != "reference_dir"},
+    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("reference_dir", "baseline")},
               "threads": torch.get_num_threads(), "clock": "time.thread_time", "rounds": rounds, "summary": summary}
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, block {args.block_size}, greedy, "
           f"{args.rounds} rounds, {torch.get_num_threads()} thread(s), ms per verify step (thread time)")
