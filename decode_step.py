@@ -77,14 +77,18 @@ def _sync(device):
 @dataclass
 class _Context:
     """Target features not yet in the draft cache: ``features (B, C, F)``, ``positions (B, C)`` and
-    ``valid (B, C)`` (None while the batch has no holes: every slot is valid)."""
+    ``valid (B, C)`` (None when every slot is valid; the loop sets it only when some slot is not, known
+    on the host, so no device check is needed)."""
 
     features: torch.Tensor
     positions: torch.Tensor
     valid: Optional[torch.Tensor]
 
     def cat(self, other: "_Context") -> "_Context":
-        valid = None if self.valid is None else torch.cat([self.valid, other.valid], dim=1)
+        valid = None
+        if self.valid is not None or other.valid is not None:
+            valid = torch.cat([c.valid if c.valid is not None else c.positions.new_ones(c.positions.shape)
+                               for c in (self, other)], dim=1)
         return _Context(torch.cat([self.features, other.features], dim=1),
                         torch.cat([self.positions, other.positions], dim=1), valid)
 
@@ -98,7 +102,9 @@ class _Rows:
 
     ``ids``/``n_new`` live on the device (processors read them) and are mirrored on the host
     (``host_ids``/``host_new``), filled from the one transfer per step that carries the acceptance
-    decision; validity masks exist only when the batch can have holes (``holes``)."""
+    decision; validity masks exist only when the batch can have holes (``holes``) and are passed to the
+    target only once some slot is masked (``masked``, a host flag: left padding, or a step where rows
+    committed different counts), so a step checks no mask on the device."""
 
     ids: torch.Tensor  # (A,) original row indices
     anchor: torch.Tensor  # (A, 1) last committed token, not yet seen by the target
@@ -110,6 +116,7 @@ class _Rows:
     host_ids: list = None  # (A,) host copy of ids
     host_new: list = None  # (A,) host copy of n_new
     holes: bool = True  # batch > 1 or left padding: validity bookkeeping on
+    masked: bool = True  # some cache slot is masked (sticky; host bookkeeping, never read from the device)
 
     def select(self, keep: list, keep_t: torch.Tensor):
         for name in ("ids", "anchor", "start", "n_new"):
@@ -121,11 +128,13 @@ class _Rows:
 
     def context_drafted(self, draft_len: int):
         """The pending context went into the draft cache (now ``draft_len`` slots long)."""
-        if self.holes and (self.draft_valid is not None or not bool(self.ctx.valid.all())):
-            cached = self.draft_valid
+        if self.holes and (self.draft_valid is not None or self.ctx.valid is not None):
+            n_ctx, cached, valid = self.ctx.positions.shape[1], self.draft_valid, self.ctx.valid
+            if valid is None:
+                valid = cached.new_ones(len(self.host_ids), n_ctx)
             if cached is None:
-                cached = self.ctx.valid.new_ones(len(self.host_ids), draft_len - self.ctx.valid.shape[1])
-            self.draft_valid = torch.cat([cached, self.ctx.valid], dim=1)
+                cached = valid.new_ones(len(self.host_ids), draft_len - n_ctx)
+            self.draft_valid = torch.cat([cached, valid], dim=1)
         self.ctx = None
 
     def add_context(self, ctx: _Context):
@@ -187,9 +196,11 @@ def _prefill_commit(run, first, scores, logits):
 def _forward_target(target, cache_kw, cache, tokens, positions, valid, windows, tokens_valid=None, record=True,
                     rope=None, **extra):
     """Target logits ``(A, n, V)`` for ``tokens`` at ``positions``, over cache slots marked ``valid``
-    (None: every slot is valid, no mask built and no host synchronisation). ``rope``: the target's own
-    position ids of the tokens where they differ from the 1-D ``positions`` (vision-language targets,
-    ``target_families.VisionPrompt``); ``extra`` may hold the prefill's own ``attention_mask``.
+    (None: every slot is valid, no mask built; given: the caller knows some slot or token is masked, so
+    the mask is built without checking it on the device, which would be a host synchronisation).
+    ``rope``: the target's own position ids of the tokens where they differ from the 1-D ``positions``
+    (vision-language targets, ``target_families.VisionPrompt``); ``extra`` may hold the prefill's own
+    ``attention_mask``.
 
     Slots a row does not own are masked; on sliding-window targets the mask also counts each
     window in true positions (``target_families.target_mask``), so holes never shift it. Hybrid
@@ -198,7 +209,7 @@ def _forward_target(target, cache_kw, cache, tokens, positions, valid, windows, 
     mask = None
     if valid is not None:
         tokens_valid = torch.ones_like(tokens) if tokens_valid is None else tokens_valid
-        mask = _families.target_mask(target, windows, tokens_valid, positions, valid)
+        mask = _families.target_mask(target, windows, tokens_valid, positions, valid, known_masked=True)
     extra.setdefault("attention_mask", mask)
     with recording(cache) if record else contextlib.nullcontext():  # hybrid: snapshot + mixer inputs
         return run_target(target, input_ids=tokens, position_ids=positions if rope is None else rope, use_cache=True,

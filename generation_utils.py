@@ -466,7 +466,7 @@ def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, sta
     noise = torch.cat([anchor, anchor.new_full((bsz, b - 1), mask_token_id)], dim=1)
     block_pos = start[:, None] + torch.arange(b, device=anchor.device)
     key_valid = None
-    if draft_valid is not None or (ctx.valid is not None and not bool(ctx.valid.all())):  # only with holes
+    if draft_valid is not None or ctx.valid is not None:  # only with holes (ctx.valid is None without)
         cached = draft_valid if draft_valid is not None else ctx.valid.new_ones(bsz, draft_cache.get_seq_length())
         ctx_valid = ctx.valid if ctx.valid is not None else cached.new_ones(ctx.positions.shape)
         key_valid = torch.cat([cached, ctx_valid, cached.new_ones(bsz, b)], dim=1)
@@ -541,22 +541,24 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
     t0 = _sync(device) if output_timings else None
 
     # Prefill: each row's first token becomes its first anchor.
-    holes = bsz > 1 or not bool(prompt_mask.all())
+    padded = not bool(prompt_mask.all())  # the call's only host check of a mask; masked slots are tracked on the host
+    holes = bsz > 1 or padded
     positions = (prompt_mask.cumsum(1) - 1).clamp_min(0)  # true positions under left padding
     windows = _families.layer_windows(target)
     extra = _families.prefill_kwargs(target, _forward_params(target))
     if vision is None:
         logits = _forward_target(target, cache_kw, target_cache, input_ids[:, n:], positions[:, n:],
-                                 prompt_mask[:, :0] if holes else None, windows, prompt_mask, record=False, **extra)
+                                 prompt_mask[:, :0] if padded else None, windows, prompt_mask, record=False, **extra)
     else:  # the model's own prefill: its multimodal inputs and positions, generate's 2-D mask
         logits = _forward_target(target, cache_kw, target_cache, input_ids, positions, None, windows, record=False,
                                  rope=vision.prefill_positions, attention_mask=prompt_mask, **extra, **vision.inputs)
     first, scores = sampling.first(logits[:, -1], input_ids)
     out.num_target_forwards, out.num_draft_forwards = 1, 0
+    verifies = drafts_run = 0  # forwards counted on the host, added to `out` (a ModelOutput: slow setattr) at the end
     rows = _Rows(ids=torch.arange(bsz, device=device), anchor=first[:, None], start=prompt_mask.sum(1),
                  n_new=torch.ones(bsz, dtype=torch.long, device=device), target_valid=prompt_mask if holes else None,
-                 draft_valid=None, ctx=resume.context(_Context(features(), positions[:, n:], prompt_mask if holes else None)),
-                 host_ids=list(range(bsz)), host_new=[1] * bsz, holes=holes)
+                 draft_valid=None, ctx=resume.context(_Context(features(), positions[:, n:], prompt_mask if padded else None)),
+                 host_ids=list(range(bsz)), host_new=[1] * bsz, holes=holes, masked=padded)
     finished = _prefill_commit(run, first, scores, logits[:, -1])
     t1 = _sync(device) if output_timings else None
     offsets = torch.arange(block_size, device=device)  # (block_size,) slot offsets, built once
@@ -578,10 +580,11 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
             drafts, q = sampling.walk(selector, *drafted, rows) if walk else sampling.propose(drafted, rows)
             block = torch.cat([rows.anchor, drafts.to(device)], dim=1)  # (A, b)
             rows.context_drafted(draft_cache.get_seq_length())
-            out.num_draft_forwards += 1
-        logits = _forward_target(target, cache_kw, target_cache, block, positions, rows.target_valid, windows,
+            drafts_run += 1
+        logits = _forward_target(target, cache_kw, target_cache, block, positions,
+                                 rows.target_valid if rows.masked else None, windows,
                                  rope=None if vision is None else vision.rope(positions, rows.ids))
-        out.num_target_forwards += 1
+        verifies += 1
         accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
         committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor
         new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
@@ -600,10 +603,16 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         if rows.holes:
             owned = (offsets[None, :width] < committed[:, None]).long()  # (A, width)
             rows.target_valid = torch.cat([rows.target_valid, owned], dim=1)
+            if min(counts) < width:  # a row committed fewer slots than the widest: holes from here on
+                rows.masked = True
+            else:
+                owned = None  # every new slot is valid: no mask for this context
         rows.add_context(_Context(features()[:, :width], positions[:, :width], owned))
         rows.start, rows.n_new, rows.anchor = rows.start + committed, rows.n_new + committed, next_token[:, None]
         rows.host_new = [n + c for n, c in zip(rows.host_new, counts)]
 
+    out.num_target_forwards += verifies
+    out.num_draft_forwards += drafts_run
     resume.finish(out, rows, draft_cache)
     if output_timings:
         t2 = _sync(device)

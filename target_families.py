@@ -155,19 +155,21 @@ def window_masks(windows: dict, q_pos, k_pos, key_valid, dtype):
     return out[None] if None in out else out
 
 
-def target_mask(target, windows, tokens_valid, positions, key_valid):
+def target_mask(target, windows, tokens_valid, positions, key_valid, known_masked: bool = False):
     """The ``attention_mask`` argument for a target forward over a cache with holes.
 
     Args:
         windows: [`layer_windows`] of the target ({} when nothing slides).
         tokens_valid: ``(B, n)`` validity of the new tokens; positions ``(B, n)`` their true positions.
         key_valid: ``(B, cache_len)`` validity of the cached slots (committed slots in order).
+        known_masked: the caller knows some slot is masked (host bookkeeping): the device check that
+            returns None for an all-valid mask (a host synchronisation) is skipped.
 
     Returns None when every slot is valid (the model builds its own mask, as in ``generate``), the
     2-D ``(B, cache_len + n)`` validity mask for targets without windows, else [`window_masks`].
     """
     valid = torch.cat([key_valid, tokens_valid], dim=1)
-    if bool(valid.all()):
+    if not known_masked and bool(valid.all()):
         return None
     if not windows:
         return valid

@@ -4,6 +4,7 @@
     python -m bench --reference-dir REFERENCE_DIR    # + the authors' loop from a local copy of their code
     python -m bench --baseline OLD_DRAFTER_DIR       # + a drafter folder with its own (older) remote code
     python -m bench --sweep 64,512,1024               # + prompt-length sweep (held-out prompts left-extended)
+    python -m bench --batch-sizes 1,4,16 --block-sizes 16,8,4   # + ragged left-padded batches vs batched generate
     python -m bench --dataset gsm8k --chat-template   # an evaluation set through `datasets` (needs the Hub)
 
 Writes a JSON report (``--out``) and a PNG plot (``--plot``), prints a markdown table; ``--acceptance-out``
@@ -28,6 +29,7 @@ from convert.paths import locate_model
 
 from . import contenders as C
 from .acceptance import acceptance_record, dataset_name, write_acceptance
+from . import batches as B
 from .core import interleaved, plot, summarize, table
 from .prompts import DATASETS, HELDOUT, dataset_prompts, encode, extend_prompt, local_prompts, render
 
@@ -55,6 +57,9 @@ def parse_args(argv=None):
     ap.add_argument("--chat-template", action="store_true", help="wrap the first user turn in the chat template")
     ap.add_argument("--enable-thinking", action="store_true", help="passed to the chat template")
     ap.add_argument("--sweep", default="", help="prompt lengths in tokens (held-out prompts left-extended)")
+    ap.add_argument("--batch-sizes", default="",
+                    help="batch sizes (held-out prompts in consecutive groups, left padded; bench/batches.py)")
+    ap.add_argument("--batch-rounds", type=int, default=3)
     ap.add_argument("--sweep-prompts", type=int, default=8)
     ap.add_argument("--sweep-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
@@ -74,7 +79,7 @@ def parse_args(argv=None):
     unknown = [w for w in _names(args.contenders) if w not in CONTENDERS]
     if unknown:
         ap.error(f"--contenders: unknown {unknown}; expected names from {', '.join(CONTENDERS)}")
-    for flag in ("num_prompts", "max_new_tokens", "rounds", "sweep_prompts", "sweep_rounds"):
+    for flag in ("num_prompts", "max_new_tokens", "rounds", "sweep_prompts", "sweep_rounds", "batch_rounds"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.data_files and not args.dataset:
@@ -85,7 +90,7 @@ def parse_args(argv=None):
         ap.error(f"--baseline {args.baseline}: no config.json there; pass a drafter folder")
     if args.reference_dir and not (Path(args.reference_dir) / "dflash" / "model.py").is_file():
         ap.error(f"--reference-dir {args.reference_dir}: expected a copy of the authors' repository (with dflash/model.py)")
-    for flag in ("sweep", "block_sizes"):
+    for flag in ("sweep", "block_sizes", "batch_sizes"):
         text = getattr(args, flag)
         if not all(x.strip().isdigit() and int(x) > 0 for x in text.split(",") if x.strip()) or (
                 flag == "block_sizes" and not text.strip()):
@@ -209,6 +214,7 @@ def run(args) -> dict:
               "prompt_ids": [r["id"] for r in records], "prompt_lengths": [p.shape[1] for p in prompts],
               "main": summarize(runs, cons, args.max_new_tokens, clock, greedy)}
     report["sweep"] = sweep(args, tok, target, cons, records, device, sampling, clock, greedy)
+    report["batches"] = batch_runs(args, target, draft, [p[0].tolist() for p in prompts], sampling, clock, greedy)
     write(report, args)
     if args.acceptance_out:
         write_acceptance(package_acceptance(report, args, draft), args.acceptance_out)
@@ -237,6 +243,29 @@ def package_acceptance(report: dict, args, draft) -> dict:
                              transformers.__version__, notes=f"python -m bench, {report['title']}")
 
 
+def batch_runs(args, target, draft, prompts: list, sampling: dict, clock: str, greedy: bool):
+    """``--batch-sizes``: batched target.generate, package@b per ``--block-sizes``, and prompt lookup at batch 1
+    only (transformers refuses assisted generation, prompt lookup included, for batches > 1). None when off."""
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    if not sizes:
+        return None
+    want = _names(args.contenders)
+    kw = C.generate_kwargs(target, sampling)
+    pad = kw["pad_token_id"]
+    pad = (pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
+    cons = {}
+    if "target" in want:
+        cons["target.generate"] = (B.generate_contender(target, kw), None, None)
+    package_kw = {k: v for k, v in kw.items() if k in ("do_sample", "temperature", "top_k", "top_p")}
+    for b in [int(x) for x in args.block_sizes.split(",")] if "package" in want else []:
+        cons[f"package@{b}"] = (B.package_contender(draft, target, b, package_kw), b, None)
+    if "prompt_lookup" in want:
+        cons["prompt_lookup"] = (B.generate_contender(target, kw, prompt_lookup_num_tokens=args.prompt_lookup_tokens),
+                                 None, {1})
+    return B.run_batches(sizes, cons, target, prompts, pad, args.max_new_tokens, args.batch_rounds, clock, greedy,
+                         args.seed)
+
+
 def sweep(args, tok, target, cons, records, device, sampling, clock, greedy) -> dict:
     """Summaries at each ``--sweep`` length: held-out prompts left-extended from their own source."""
     out = {}
@@ -263,5 +292,8 @@ def write(report: dict, args) -> None:
     for length, s in report["sweep"].items():
         print(f"\nprompt length {length}:")
         print(table(s))
+    if report.get("batches"):
+        print("\nbatches (prompts in consecutive groups, left padded):")
+        print(B.table(report["batches"]))
     bad = _mismatches(report)
     print(f"\ngreedy mismatches vs target.generate: {bad or 'none'}; wrote {out}" + (f", {args.plot}" if args.plot else ""))

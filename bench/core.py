@@ -140,7 +140,8 @@ def plot(report: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     main = report["main"]["contenders"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    batches = (report.get("batches") or {}).get("sizes")
+    fig, axes = plt.subplots(1, 4 if batches else 3, figsize=(20 if batches else 15, 4.2))
     names = list(main)
     axes[0].bar(names, [main[n].get("speedup") or 0 for n in names])
     axes[0].set_ylabel("speedup vs target.generate")
@@ -160,6 +161,14 @@ def plot(report: dict, path) -> None:
     axes[2].set_ylabel("speedup vs target.generate")
     if sweep:
         axes[2].legend(fontsize=7)
+    if batches:
+        for n in sorted({n for v in batches.values() for n in v["contenders"]}):
+            pts = [(int(s), v["contenders"][n]["tokens_per_s"]) for s, v in batches.items() if n in v["contenders"]]
+            axes[3].plot(*zip(*pts), marker="o", label=n)
+        axes[3].set_xscale("log", base=2)
+        axes[3].set_xlabel("batch size (left-padded held-out prompts)")
+        axes[3].set_ylabel("tokens/s of the whole batch")
+        axes[3].legend(fontsize=7)
     fig.suptitle(report.get("title", "DFlash benchmark"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

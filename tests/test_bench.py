@@ -164,3 +164,48 @@ def test_bench_bad_arguments_stop_before_any_work(argv, expected, capsys):
     with pytest.raises(SystemExit) as stop:
         cli.parse_args(argv)
     assert stop.value.code == 2 and expected in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (PAIR / "drafter" / "config.json").exists(), reason="no embedded pair")
+def test_step_split_script_times_target_draft_and_glue(tmp_path):
+    """``bench/step_split.py`` on the embedded pair, one prompt: every step has one target and one draft
+    forward, the parts add up to the step, and the JSON is written."""
+    from bench import step_split
+
+    out = tmp_path / "split.json"
+    report = step_split.run(step_split.parse_args(["--num-prompts", "1", "--max-new-tokens", "12", "--block-size", "4",
+                                                   "--rounds", "1", "--out", str(out)]))
+    package = report["summary"]["package"]
+    assert package["steps"] >= 3 and package["target"] > 0 and package["draft"] > 0
+    assert package["step"] == pytest.approx(package["target"] + package["draft"] + package["glue"])
+    assert json.loads(out.read_text())["summary"] == json.loads(json.dumps(report["summary"]))
+
+
+def test_left_pad_and_batches_of_hand_checked():
+    from bench.batches import batches_of, left_pad
+
+    ids, mask = left_pad([[5, 6, 7], [8]], pad=0, device="cpu")
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batches_of([[1], [2], [3], [4], [5]], 2) == [[[1], [2]], [[3], [4]]]
+    assert batches_of([[1], [2]], 4) == [[[1], [2]]]  # fewer prompts than one batch: one short batch
+
+
+@pytest.mark.skipif(not (PAIR / "drafter" / "config.json").exists(), reason="no embedded pair")
+def test_batch_sizes_run_ragged_batches_against_batched_generate(tmp_path):
+    from bench.cli import parse_args, run
+
+    out = tmp_path / "r.json"
+    report = run(parse_args(["--num-prompts", "2", "--max-new-tokens", "8", "--rounds", "1", "--block-sizes", "4",
+                             "--contenders", "target,package,prompt_lookup", "--batch-sizes", "1,2",
+                             "--batch-rounds", "1", "--out", str(out), "--plot", str(tmp_path / "r.png"),
+                             "--no-progress"]))
+    batches = json.loads(out.read_text())["batches"]
+    assert batches == json.loads(json.dumps(report["batches"])) and set(batches["sizes"]) == {"1", "2"}
+    one, two = batches["sizes"]["1"], batches["sizes"]["2"]
+    assert set(one["contenders"]) == {"target.generate", "package@4", "prompt_lookup"}
+    assert two["unsupported"] == ["prompt_lookup"]  # transformers: assisted generation is batch-1 only
+    for size in (one, two):
+        package = size["contenders"]["package@4"]
+        assert package["mismatched_rows"] == 0 and len(package["row_tau"]) == 2 and package["tau"] > 1
+        assert package["block_size"] == 4 and package["step_ms"] > 0
+    assert set(batches["best_block"]) == {"1", "2"}

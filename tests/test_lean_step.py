@@ -63,6 +63,42 @@ def test_a_batch_with_holes_keeps_its_masks_and_stays_exact():
         assert out[row, 9:].tolist() == alone[0, ids.shape[1]:].tolist()
 
 
+def test_equal_length_batch_masks_from_the_first_step_rows_diverge(monkeypatch, sync_counter):
+    """Two unpadded rows of one length start without masks (``_Rows.masked`` False: nothing to check on the
+    device); when one row accepts its drafts and the other none, the other's rejected slots must be masked
+    from then on (host bookkeeping), and each row still equals its own ``generate``. One host transfer per
+    step. Planted bug: never setting ``masked`` after the prefill breaks row 1 (it attends its rejected drafts)."""
+    target, draft = tiny_target(peaked=True), tiny_draft(block_size=6)
+    target.generation_config.eos_token_id = None
+    ids = torch.randint(0, VOCAB - 1, (2, 7), generator=torch.Generator().manual_seed(5))
+    refs = [target.generate(ids[r: r + 1], attention_mask=torch.ones(1, 7, dtype=torch.long), max_new_tokens=30,
+                            do_sample=False)[0] for r in range(2)]
+    real, own = generation_utils._draft_logits, [0]
+
+    def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
+        real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
+        before = sum(sync_counter.values())
+        rows = [0, 1] if anchor.shape[0] == 2 else [1]  # row 0 (always right) finishes first
+        want = torch.stack([refs[r][int(s) + 1: int(s) + b] for r, s in zip(rows, start)])
+        if rows[-1] == 1:
+            want[-1] = (want[-1] + 1) % VOCAB  # row 1: every draft wrong
+        own[0] += sum(sync_counter.values()) - before  # this fake's own reads are not the loop's
+        return torch.nn.functional.one_hot(want, VOCAB).float() * 30
+
+    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+    runs = []
+    for new in (10, 18):
+        sync_counter.clear()
+        own[0] = 0
+        out = draft.spec_generate(target, ids, max_new_tokens=new, temperature=0.0, return_dict_in_generate=True)
+        runs.append((out.num_target_forwards, sum(sync_counter.values()) - own[0]))
+        for r in range(2):
+            assert out.sequences[r, 7:].tolist() == refs[r][7: 7 + new].tolist(), (new, r)
+    assert max(out.row_acceptance_lengths[0]) > 1 and max(out.row_acceptance_lengths[1]) == 1  # rows diverged
+    (steps_a, syncs_a), (steps_b, syncs_b) = runs
+    assert steps_b - steps_a >= 6 and syncs_b - syncs_a == steps_b - steps_a, runs  # one host transfer per step
+
+
 # ----------------------------------------------------------------------------- adaptive block size
 
 
