@@ -191,6 +191,12 @@ def _rollback_target(cache, pass_cache_position: bool, written: int, keep: int) 
         cache.crop(keep - written)
 
 
+# Logged once per static call on a CPU target (figures: README "Static cache on CPU", bench/static_cpu.py).
+CPU_NOTE = ("cache_implementation='static' on CPU is not faster than spec_generate's dynamic loop: on the shipped "
+            "pair (1 thread, greedy, time.thread_time) the static loop ran at 0.88x-0.94x of the dynamic loop's "
+            "speed, and at 0.70x with compile_config (inductor); it is meant for CUDA with compile_config "
+            "(fixed shapes, CUDA graphs). Leave cache_implementation unset on CPU (README: Static cache).")
+
 _COMPILED = {}
 CAPACITY_BUCKET = 256
 
@@ -298,6 +304,8 @@ def static_decode(draft, target, input_ids, block_size, mask_token_id, sampling,
     Prefill and the first draft pass (whose context is the whole prompt) run eagerly; every later draft
     and verify forward has the same shapes and goes through the compiled functions. The caches are this
     thread's for ``target`` (``call_caches``), emptied first; ``draft_window``: see ``spec_generate``."""
+    if input_ids.device.type == "cpu":
+        logger.warning(CPU_NOTE)
     budget = run.stops.budget
     prompt_len, b = input_ids.shape[1], block_size
     with call_caches(target, draft, prompt_len + budget + b, prompt_len + budget + 2 * b, input_ids.device) as caches:

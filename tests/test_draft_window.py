@@ -104,6 +104,27 @@ def test_greedy_with_a_small_window_equals_generate(static):
     assert calls.seen and set(calls.seen) == {3}, calls.seen
 
 
+def test_static_loop_drafts_what_the_dynamic_loop_drafts_with_the_window():
+    """The draft's block states at every step are the dynamic loop's (the static loop masks the keys that
+    the dynamic loop cuts), and differ from those drafted without a window (so the comparison sees it)."""
+    draft, prompt = peak(tiny_draft(block_size=6)), PROMPTS[1]
+
+    def states(window, n=20, **kw):  # the dynamic loop shortens its last blocks: given a larger budget
+        seen = []
+        handle = draft.register_forward_hook(lambda module, args, output: seen.append(output.clone()))
+        try:
+            draft.spec_generate(TARGET, prompt, max_new_tokens=n, temperature=0.0, draft_window=window, **kw)
+        finally:
+            handle.remove()
+        return seen
+
+    static, dynamic = states(2, cache_implementation="static"), states(2, n=32)
+    assert len(static) >= 5
+    for got, want in zip(static, dynamic):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(states(None, n=32), dynamic))
+
+
 def test_ragged_batch_with_a_window_equals_generate_per_row():
     draft = peak(tiny_draft(block_size=6))
     short, long_ = PROMPTS

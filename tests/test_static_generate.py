@@ -3,6 +3,7 @@ compiled (``fullgraph=True``, eager backend), with a fixed number of graphs howe
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -299,3 +300,20 @@ def test_static_caches_are_per_target_and_thread_and_emptied_at_each_call(monkey
     assert first[0][:2] == first[1][:2] and second[0][:2] == second[1][:2]  # reused within a thread
     assert not {first[0][0], first[0][1]} & {second[0][0], second[0][1]}  # never shared between threads
     assert first[1][2] > 0 and second[1][2] > 0  # the second call found allocated buffers (then emptied)
+
+
+def test_static_call_on_cpu_logs_one_warning_with_the_measured_figures(caplog):
+    """The note carries the README's measured figures; a call that falls back (batch 2) says nothing of it."""
+    draft = tiny_draft()
+    with caplog.at_level(logging.WARNING):
+        draft.spec_generate(TARGETS["qwen3"], PROMPT, max_new_tokens=5, temperature=0.0, cache_implementation="static")
+    notes = [r for r in caplog.records if "not faster than spec_generate's dynamic loop" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelno == logging.WARNING
+    readme = (REPO / "README.md").read_text()
+    for figure in re.findall(r"\d\.\d\dx", notes[0].getMessage()):
+        assert figure in readme, f"{figure} of the CPU note is not in the README"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        draft.spec_generate(TARGETS["qwen3"], PROMPT.repeat(2, 1), max_new_tokens=5, temperature=0.0,
+                            cache_implementation="static")
+    assert "not faster" not in caplog.text
