@@ -176,10 +176,9 @@ def spec_generate(
             draft layer attends to at most the last N context positions before the anchor, plus the block
             (a layer with its own ``sliding_window`` W keeps it too: W - 1 context positions before the
             anchor, so the smaller one rules). Only the drafts change, never the output (the target
-            verifies as always). Cost: at batch 1 without
-            padding the draft's attention reads only those N + block keys (per-step attention O(N)
-            instead of O(context)); in a ragged batch and on the static loop the keys stay and the mask
-            hides them. Memory: the draft's context cache keeps every position (cropped by length
+            verifies as always). Cost: at batch 1 without padding the draft's attention reads only those
+            N + block keys (per-step attention O(N) instead of O(context)); in a ragged batch and on the
+            static loop the keys stay and the mask hides them. Memory: the draft's context cache keeps every position (cropped by length
             each step, as without a window), because a ``DynamicCache`` has no public way to drop its
             oldest entries and a returned cache (``cache_reuse.py``) must hold the whole context; it is
             ``2 * num_hidden_layers * num_key_value_heads * head_dim`` values per position (20 KiB in

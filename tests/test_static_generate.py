@@ -276,20 +276,26 @@ def test_static_caches_are_per_target_and_thread_and_emptied_at_each_call(monkey
 
     monkeypatch.setattr(static_generate, "_static_steps", watch)
 
-    together, outputs = threading.Barrier(2), []
+    # One thread after the other (a target's forward hooks, which the prefill uses, are not for concurrent
+    # calls), both alive until both are done so that their idents cannot be reused.
+    first_done, second_done, outputs = threading.Event(), threading.Event(), []
 
-    def run():  # both threads stay alive until both are done: their idents cannot be reused
-        together.wait()
-        for _ in range(2):
-            outputs.append(draft.spec_generate(target, PROMPT, max_new_tokens=12, temperature=0.0,
-                                               cache_implementation="static"))
-        together.wait()
+    def run(wait, done):
+        try:
+            assert wait is None or wait.wait(120)
+            for _ in range(2):
+                outputs.append(draft.spec_generate(target, PROMPT, max_new_tokens=12, temperature=0.0,
+                                                   cache_implementation="static"))
+        finally:
+            done.set()
+            second_done.wait(120)
 
-    threads = [threading.Thread(target=run) for _ in range(2)]
+    threads = [threading.Thread(target=run, args=(None, first_done)),
+               threading.Thread(target=run, args=(first_done, second_done))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(240)
     assert len(seen) == 4 and len(outputs) == 4
     assert all(torch.equal(out, reference("llama", 12)) for out in outputs)
     by_thread = {}
