@@ -150,6 +150,22 @@ def test_custom_generate_passes_draft_window_through(tmp_path):
     assert torch.equal(out, reference(prompt, 12)) and calls.seen and set(calls.seen) == {5}
 
 
+def test_pipeline_passes_draft_window_through(tmp_path):
+    from transformers import pipeline
+
+    from tiny import tiny_tokenizer
+
+    tiny_draft(block_size=6).save_pretrained(tmp_path)
+    draft = AutoModel.from_pretrained(str(tmp_path), trust_remote_code=True).eval()
+    calls = Windows(draft)
+    pipe = pipeline("text-generation", model=TARGET, tokenizer=tiny_tokenizer())
+    text = " ".join(f"w{i}" for i in (5, 17, 3, 40, 8, 22, 9))
+    plain = pipe(text, max_new_tokens=10, do_sample=False)
+    fast = pipe(text, max_new_tokens=10, do_sample=False, custom_generate=str(tmp_path), trust_remote_code=True,
+                assistant_model=draft, draft_window=2)
+    assert fast == plain and calls.seen and set(calls.seen) == {2}
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
 def test_bad_draft_window_is_named_before_any_work(bad, monkeypatch):
     monkeypatch.setattr(generation_utils, "_through_generate", lambda *a, **k: pytest.fail("work started"))
