@@ -112,6 +112,21 @@ CALL_OPTIONS = {
 }
 
 
+# spec_generate's own options that generate() does not have: they reach spec_generate unchanged through
+# generate(custom_generate=..., assistant_model=draft) and pipelines (spec_generate_from_generate_arguments
+# keeps every name of spec_generate's signature), and are checked here before any work.
+DFLASH_OPTIONS = {
+    "draft_window": "None or an integer N >= 1: every draft layer sees at most the last N context positions "
+                    "before the anchor, plus the block (check_draft_window); drafts change, the output does not",
+}
+
+
+def check_draft_window(draft_window) -> None:
+    """ValueError naming ``draft_window`` unless it is None or an int >= 1 (not a bool)."""
+    if draft_window is not None:
+        _check_int("draft_window", draft_window, 1)
+
+
 def _call_options(kwargs: dict, target) -> dict:
     """Pop ``CALL_OPTIONS`` from ``kwargs``; returns those to hand to ``generate``.
 
@@ -300,4 +315,5 @@ def _eos_list(config) -> list:
     return [eos] if isinstance(eos, int) else [int(t) for t in (eos.tolist() if torch.is_tensor(eos) else eos)]
 
 
-__all__ = ["NOT_PASSED", "APPLIED_KEYS", "REFUSED_KEYS", "NO_EFFECT_KEYS", "CALL_OPTIONS", "check_pairing", "check_vocab"]
+__all__ = ["NOT_PASSED", "APPLIED_KEYS", "REFUSED_KEYS", "NO_EFFECT_KEYS", "CALL_OPTIONS", "DFLASH_OPTIONS",
+           "check_draft_window", "check_pairing", "check_vocab"]

@@ -30,7 +30,7 @@ try:
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
     from .decode_step import _prefill_commit, _sync, crop_cache, next_block_size
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
-    from .generation_arguments import _call_options, check_vocab
+    from .generation_arguments import _call_options, check_draft_window, check_vocab
     from .generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from .generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
     from .generation_output import DFlashGenerateOutput, _assemble, _empty_output, per_slot_acceptance, plot_acceptance
@@ -47,7 +47,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
     from decode_step import _prefill_commit, _sync, crop_cache, next_block_size
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
-    from generation_arguments import _call_options, check_vocab
+    from generation_arguments import _call_options, check_draft_window, check_vocab
     from generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
     from generation_output import DFlashGenerateOutput, _assemble, _empty_output, per_slot_acceptance, plot_acceptance
@@ -125,6 +125,7 @@ def spec_generate(
     output_timings: bool = False,
     mask_token_id: Optional[int] = None,
     adaptive_block_size: bool = False,
+    draft_window: Optional[int] = None,
     inference_mode: bool = True,
     **kwargs,
 ):
@@ -180,6 +181,20 @@ def spec_generate(
         adaptive_block_size: off by default. When True, each step drafts a block of twice the
             previous step's longest acceptance (anchor included), within ``[2, block_size]``: a fully
             accepted block doubles, a short acceptance shrinks the next block. Outputs are unchanged.
+        draft_window: None (default: the draft attends over the whole context), or an integer N >= 1: every
+            draft layer attends to at most the last N context positions before the anchor, plus the block
+            (a layer with its own ``sliding_window`` W keeps it too: W - 1 context positions before the
+            anchor, so the smaller one rules). Only the drafts change, never the output (the target
+            verifies as always). Cost: at batch 1 without padding the draft's attention reads only those
+            N + block keys (per-step attention O(N) instead of O(context)); in a ragged batch and on the
+            static loop the keys stay and the mask hides them. Memory: the draft's context cache keeps every position (cropped by length
+            each step, as without a window), because a ``DynamicCache`` has no public way to drop its
+            oldest entries and a returned cache (``cache_reuse.py``) must hold the whole context; it is
+            ``2 * num_hidden_layers * num_key_value_heads * head_dim`` values per position (20 KiB in
+            bf16 for a 5-layer Qwen3-8B drafter: 40 MB at 2k positions), small next to the target's.
+            z-lab's MLX loop (``dflash/model_mlx.py``, ``sliding_window_size``) bounds the memory with a
+            rotating cache instead, and its window is looser: the first draft pass sees the whole prompt,
+            later ones the last N - 1 cached positions plus the step's new ones (up to N + 15).
         inference_mode: run the forwards under ``torch.inference_mode()`` (default; drafter and target
             forwards are about 10% cheaper on CPU than under ``no_grad``). The returned ``sequences``
             are ordinary tensors either way; pass False when tensors made during the call must be
@@ -260,6 +275,7 @@ def spec_generate(
     trained = draft.config.block_size
     block_size = trained if block_size is None else block_size
     _check_int("block_size", block_size, 1, trained)
+    check_draft_window(draft_window)
     mask_token_id = draft.config.mask_token_id if mask_token_id is None else mask_token_id
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab:
         raise ValueError(f"mask_token_id={mask_token_id!r} must be an integer in [0, {vocab}) (the target vocabulary)")
@@ -286,7 +302,7 @@ def spec_generate(
                           mask_token_id=mask_token_id, generator=generator, sample_draft=sample_draft,
                           streamer=streamer, output_timings=output_timings, static=static,
                           adaptive=adaptive_block_size, inference_mode=inference_mode, passed_cache=passed_cache,
-                          vision=vision)
+                          vision=vision, draft_window=draft_window)
 
     if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
         if streamer is not None:
@@ -305,7 +321,7 @@ def spec_generate(
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
                generator, sample_draft, streamer, output_timings, static=None, adaptive=False, inference_mode=True,
-               passed_cache=None, vision=None):
+               passed_cache=None, vision=None, draft_window=None):
     """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``.
     ``vision``: the call's multimodal prompt (``target_families.VisionPrompt``), or None."""
     _check_refused(config)
@@ -340,11 +356,12 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch, block_size, adaptive, draft)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py
-            static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run)
+            static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run,
+                          draft_window=draft_window)
         else:
             with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
-                        run, adaptive, rope_switch, passed_cache, vision)
+                        run, adaptive, rope_switch, passed_cache, vision, draft_window)
     stops.trim(run.chunks)  # no eos criterion: rows end where the batch's last row stopped
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
@@ -449,7 +466,7 @@ def _static_loop(static, target, input_ids, mask, run, rope_switch=None, block_s
 
 
 def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id,
-                  slot_states=False):
+                  slot_states=False, draft_window=None):
     """One draft pass over ``[anchor, MASK x (b-1)]`` at positions ``start..start+b-1`` per row.
 
     Args:
@@ -457,6 +474,7 @@ def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, sta
         ctx: ``_Context`` with the features ``(B, C, F)`` of positions before the anchor that are not
             yet in ``draft_cache``, their positions ``(B, C)`` and validity ``(B, C)``.
         draft_valid: ``(B, cache_len)`` validity of the cached slots, or None when all are valid.
+        draft_window: ``spec_generate``'s, handed to the draft's forward (None: the whole context).
 
     Returns draft logits ``(B, b-1, V)`` for slots 1..b-1; with ``slot_states`` (a DFlash 2 drafter, whose
     candidate selector also reads the slots' states) ``(logits, slot_hidden (B, b-1, H))``
@@ -473,7 +491,8 @@ def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, sta
     kept = draft_cache.get_seq_length() + ctx.features.shape[1]
     noise_embedding = _families.draft_block_embedding(draft.config, embed, noise)
     hidden = draft(position_ids=torch.cat([ctx.positions, block_pos], dim=1), noise_embedding=noise_embedding,
-                   target_hidden=ctx.features, past_key_values=draft_cache, use_cache=True, attention_mask=key_valid)
+                   target_hidden=ctx.features, past_key_values=draft_cache, use_cache=True, attention_mask=key_valid,
+                   **({} if draft_window is None else {"draft_window": draft_window}))
     crop_cache(draft_cache, kept)  # block K/V are thrown away
     if slot_states:
         slot_hidden, logits = draft.selector_inputs(hidden, head)
@@ -524,13 +543,15 @@ def _drop_finished(rows, done: list, caches, device) -> bool:
 
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
-            run, adaptive=False, rope_switch=None, passed_cache=None, vision=None):
+            run, adaptive=False, rope_switch=None, passed_cache=None, vision=None,
+            draft_window=None):
     """The speculative loop; fills ``run.out`` / ``run.chunks`` in place. ``rope_switch``: the longrope
     switch this call crosses (``target_families.check_rope``), else None. ``passed_cache``: a target cache
     holding the first tokens of ``input_ids`` (batch 1), continued in place (``cache_reuse.Resume``).
     ``vision``: a multimodal prompt (``target_families.VisionPrompt``): its inputs, the target's positions
     and generate's 2-D mask go to the prefill, and every verify forward takes the target's positions
-    (``vision.rope``); the draft keeps 1-D positions and the features of every position."""
+    (``vision.rope``); the draft keeps 1-D positions and the features of every position. ``draft_window``: see
+    ``spec_generate``."""
     device, bsz, out = input_ids.device, input_ids.shape[0], run.out
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     selector = getattr(draft, "candidate_selector", None)  # DFlash 2: drafts by its candidate-selector walk
@@ -575,8 +596,9 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         block, q = rows.anchor, None
         if b > 1:
             walk = {"slot_states": True} if selector is not None else {}  # DFlash 1 calls stay as they were
+            window = {} if draft_window is None else {"draft_window": draft_window}
             drafted = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
-                                    rows.start, b, mask_token_id, **walk)
+                                    rows.start, b, mask_token_id, **walk, **window)
             drafts, q = sampling.walk(selector, *drafted, rows) if walk else sampling.propose(drafted, rows)
             block = torch.cat([rows.anchor, drafts.to(device)], dim=1)  # (A, b)
             rows.context_drafted(draft_cache.get_seq_length())

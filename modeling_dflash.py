@@ -210,7 +210,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
 
 
-def block_attention_mask(q_pos, k_pos, causal: bool, window: Optional[int], key_valid=None):
+def block_attention_mask(q_pos, k_pos, causal: bool, window: Optional[int], key_valid=None, context_from=None):
     """Boolean visibility ``(b, 1, q_len, kv_len)`` (True = attend) for block queries over [context ++ block].
 
     Context keys always sit at positions before the block, so they are visible to every query
@@ -219,9 +219,12 @@ def block_attention_mask(q_pos, k_pos, causal: bool, window: Optional[int], key_
     transformers convention) and, in a bidirectional layer, ``k_pos - q_pos < window`` too (z-lab
     ``dflash/model.py`` ``_attention_mask``; it matters only for a window shorter than the block, as in
     non-causal sliding DFlash 2 layers). ``key_valid`` ``(b, kv_len)`` removes padding keys and cache holes.
+    ``context_from`` ``(b, 1)`` (the ``draft_window`` of ``spec_generate``) hides every key at a position
+    below it: with ``anchor - N`` it leaves the last N context positions before the anchor and the block
+    (whose positions are all >= the anchor's); combined with ``window`` by AND, so the smaller one rules.
     Returns None when every key is visible (the fast path of sdpa).
     """
-    if not causal and window is None and key_valid is None:
+    if not causal and window is None and key_valid is None and context_from is None:
         return None
     diff = q_pos[:, :, None] - k_pos[:, None, :]  # (b, q_len, kv_len)
     mask = torch.ones_like(diff, dtype=torch.bool)
@@ -233,6 +236,8 @@ def block_attention_mask(q_pos, k_pos, causal: bool, window: Optional[int], key_
             mask &= -diff < window
     if key_valid is not None:
         mask &= key_valid[:, None, :].bool()
+    if context_from is not None:
+        mask &= (k_pos >= context_from)[:, None, :]
     return mask[:, None]
 
 
@@ -290,6 +295,8 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out)
 
     def _attend(self, q, k, v, mask):
+        if mask is not None and mask.shape[-1] < k.shape[2]:  # a draft_window mask over the last keys only
+            k, v = k[:, :, -mask.shape[-1]:], v[:, :, -mask.shape[-1]:]
         impl = self.config._attn_implementation
         if impl == "flash_attention_2" and mask is None and flash_usable(q):
             left = self.sliding_window - 1 if self.sliding_window else -1
@@ -453,6 +460,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         noise_embeds: Optional[torch.Tensor] = None,
         context_hidden_states: Optional[torch.Tensor] = None,
         cache=None,
+        draft_window: Optional[int] = None,
         **kwargs,
     ):
         """Draft one block (or, in training, many packed blocks) in one pass.
@@ -484,6 +492,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             noise_embeds, context_hidden_states, cache: the native names of ``noise_embedding``,
                 ``target_hidden`` and ``past_key_values`` (same shapes; ``attention_mask`` is then the
                 ``(b, past + ctx_len + q_len)`` key mask the native generator builds).
+            draft_window: None (default), or N >= 1: every layer sees only the context positions
+                ``anchor - N .. anchor - 1`` (the anchor = the block's first position) and the block;
+                a layer's own ``sliding_window`` applies too, so the smaller one rules (see
+                ``spec_generate``). Not with a 4-D or per-layer-kind ``attention_mask`` (ValueError).
 
         Returns:
             ``(b, q_len, H)`` final-normed hidden states; logits = target head of these. With the
@@ -505,7 +517,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         position_ids = position_ids.to(hidden_states.device)
         q_len = hidden_states.shape[1]
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        masks = self._layer_masks(position_ids, q_len, past_len, attention_mask)
+        masks = self._layer_masks(position_ids, q_len, past_len, attention_mask, draft_window)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         options = self._layer_options(attention_mask)
         for layer, mask in zip(self.layers, masks):
@@ -516,9 +528,19 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         """Extra keyword arguments of every decoder layer call (none for DFlash 1)."""
         return {}
 
-    def _layer_masks(self, position_ids, q_len, past_len, attention_mask):
-        """One mask per layer (shared between layers of the same kind); see [`block_attention_mask`]."""
+    def _layer_masks(self, position_ids, q_len, past_len, attention_mask, draft_window=None):
+        """One mask per layer (shared between layers of the same kind); see [`block_attention_mask`].
+
+        With ``draft_window`` and no key-validity mask (contiguous keys: the cache at ``0..past_len-1``,
+        then the new context up to the anchor, then the block) the masks cover only the last
+        ``min(N, anchor) + q_len`` keys, the visible ones, and attention reads only those keys
+        (``DFlashAttention._attend``): a step costs O(N) instead of O(context). With holes (a ragged
+        batch, the static loop's fixed-width context) the keys stay and the mask hides them."""
         cfg, kinds = self.config, self._layer_kinds
+        if draft_window is not None and (isinstance(attention_mask, dict) or (
+                attention_mask is not None and attention_mask.dim() == 4)):
+            raise ValueError(f"draft_window={draft_window!r} needs the mask built here (None or a (b, kv_len) key "
+                             "mask), not a 4-D or per-layer-kind attention_mask")
         if isinstance(attention_mask, dict):
             return [attention_mask[t] for _, _, t in kinds]
         if attention_mask is not None and attention_mask.dim() == 4:
@@ -529,19 +551,23 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if attention_mask is not None:  # (b, kv_len) key validity
             key_valid = attention_mask.to(position_ids.device).bool()
             k_pos = key_valid.long().cumsum(-1) - 1
-        elif all(not causal and window is None for causal, window, _ in kinds):
+        elif draft_window is None and all(not causal and window is None for causal, window, _ in kinds):
             return [None] * len(kinds)  # every key visible to every query: no mask, no key positions needed
         else:
             past = torch.arange(past_len, device=position_ids.device).expand(bsz, past_len)
             k_pos = torch.cat([past, position_ids], dim=1)
+            if draft_window is not None:  # keys past the window are never read: cut them here
+                k_pos = k_pos[:, -(min(draft_window, k_pos.shape[1] - q_len) + q_len):]
+        context_from = None if draft_window is None else q_pos[:, :1] - draft_window  # (b, 1)
         cache = {}
         masks = []
         for causal, window, _ in kinds:
             if (causal, window) not in cache:
-                cache[(causal, window)] = block_attention_mask(q_pos, k_pos, causal, window, key_valid)
+                cache[(causal, window)] = block_attention_mask(q_pos, k_pos, causal, window, key_valid, context_from)
             masks.append(cache[(causal, window)])
         # flash-attn takes `causal`/`window_size` itself and needs no mask when keys are contiguous
-        if cfg._attn_implementation == "flash_attention_2" and key_valid is None and flash_usable(self.fc.weight):
+        if (cfg._attn_implementation == "flash_attention_2" and key_valid is None and draft_window is None
+                and flash_usable(self.fc.weight)):
             masks = [None] * len(masks)
         return masks
 

@@ -21,7 +21,11 @@ the dynamic loop). The last verify step is not shortened to the remaining budget
 fixed): it verifies a full block and the tokens past ``max_new_tokens`` are cut as always.
 """
 
+import contextlib
+import functools
 import inspect
+import threading
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -97,6 +101,13 @@ class StaticDraftContext:
         """Roll forward/back to ``length`` committed context positions (int or 0-d tensor), in place."""
         self.length.copy_(torch.as_tensor(length, dtype=torch.long))
 
+    def reset(self) -> None:
+        """Empty, keeping the allocation (and the addresses a compiled graph read): zeros, length 0."""
+        for buffer in self.keys + self.values:
+            if buffer is not None:
+                buffer.zero_()
+        self.length.zero_()
+
 
 def _mark_static(*tensors):
     """Tell dynamo these tensors keep their address (CUDA graphs then read them in place, no copy)."""
@@ -109,7 +120,8 @@ def _mark_static(*tensors):
 # ----------------------------------------------------------------------------- the two compiled forwards
 
 
-def _draft_forward(draft, embed, head, anchor, features, n_ctx, cache, block_size: int, mask_token_id: int):
+def _draft_forward(draft, embed, head, anchor, features, n_ctx, cache, block_size: int, mask_token_id: int,
+                   draft_window=None):
     """One draft pass over ``[anchor, MASK x (block_size-1)]`` with a fixed-shape context.
 
     Args:
@@ -118,6 +130,8 @@ def _draft_forward(draft, embed, head, anchor, features, n_ctx, cache, block_siz
             ``n_ctx`` (0-d long tensor) are real, the rest is padding that the mask hides.
         cache: [`StaticDraftContext`]; gets the P context entries and the block written after
             ``cache.length`` (the caller then sets its length to ``start``, dropping the block).
+        draft_window: ``spec_generate``'s (None: the whole context); a Python int, fixed per call (a
+            compiled graph specialises on it).
 
     Returns ``(1, block_size - 1, V)`` draft logits for slots 1..block_size-1.
     """
@@ -130,7 +144,8 @@ def _draft_forward(draft, embed, head, anchor, features, n_ctx, cache, block_siz
     block_from = past + n_pad
     key_valid = (slots < start) | ((slots >= block_from) & (slots < block_from + block_size))  # (capacity,)
     hidden = draft(position_ids=positions[None], noise_embedding=draft_block_embedding(draft.config, embed, noise),
-                   target_hidden=features, past_key_values=cache, use_cache=True, attention_mask=key_valid[None])
+                   target_hidden=features, past_key_values=cache, use_cache=True, attention_mask=key_valid[None],
+                   **({} if draft_window is None else {"draft_window": draft_window}))
     return draft_logits(draft.config, head, hidden[:, 1:])
 
 
@@ -176,6 +191,12 @@ def _rollback_target(cache, pass_cache_position: bool, written: int, keep: int) 
         cache.crop(keep - written)
 
 
+# Logged once per static call on a CPU target (figures: README "Static cache on CPU", bench/static_cpu.py).
+CPU_NOTE = ("cache_implementation='static' on CPU is not faster than spec_generate's dynamic loop: on the shipped "
+            "pair (1 thread, greedy, time.thread_time) the static loop ran at 0.88x-0.94x of the dynamic loop's "
+            "speed, and at 0.70x with compile_config (inductor); it is meant for CUDA with compile_config "
+            "(fixed shapes, CUDA graphs). Leave cache_implementation unset on CPU (README: Static cache).")
+
 _COMPILED = {}
 CAPACITY_BUCKET = 256
 
@@ -205,6 +226,62 @@ def compiled(fn, compile_config):
     return _COMPILED[key]
 
 
+class _CallCaches:
+    """The two caches of one static call: a transformers ``StaticCache`` of ``target_capacity`` slots and a
+    [`StaticDraftContext`] of ``draft_capacity``, for targets/drafts of ``key`` (their dtypes, devices and
+    the draft's layer count). ``busy`` while a call uses them."""
+
+    def __init__(self, target, key, target_capacity: int, draft_capacity: int, num_layers: int, device):
+        self.key, self.target_capacity, self.draft_capacity = key, target_capacity, draft_capacity
+        self.target_cache = StaticCache(config=target.config, max_cache_len=target_capacity)
+        self.draft_cache = StaticDraftContext(num_layers, draft_capacity, device)
+        self.busy = False
+
+
+# target -> threading.local whose `.caches` is that thread's _CallCaches. Weak on the target: the caches go
+# with the model (as generate's own static cache lives on the model), and with the thread (threading.local);
+# two threads never share one. Nothing is kept on the drafter.
+_CALL_CACHES = weakref.WeakKeyDictionary()
+_CALL_CACHES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def call_caches(target, draft, target_len: int, draft_len: int, device):
+    """``(target StaticCache, StaticDraftContext)`` for one call of at most ``target_len`` target slots and
+    ``draft_len`` draft slots: this thread's caches for ``target`` when they are large enough and fit the
+    models, emptied (``reset``: zeros, counters at 0), else new ones (bucketed capacities, ``_bucket``),
+    kept for the next call.
+
+    Why: a compiled forward's graph depends on the caches' shapes and reads their tensors at fixed
+    addresses (``mark_static_address``); fresh caches at every call (or per prompt length) made dynamo
+    compile again. The allocation is reused, never the contents. A call made while this thread's caches
+    are in use (re-entrant, e.g. from a streamer) gets private ones."""
+    key = (str(target.dtype), str(target.device), draft.config.num_hidden_layers, str(draft.fc.weight.dtype),
+           str(device))
+    with _CALL_CACHES_LOCK:
+        local = _CALL_CACHES.get(target)
+        if local is None:
+            local = _CALL_CACHES[target] = threading.local()
+    kept = getattr(local, "caches", None)
+    if kept is not None and not kept.busy and kept.key == key and kept.target_capacity >= target_len \
+            and kept.draft_capacity >= draft_len:
+        kept.target_cache.reset()
+        kept.draft_cache.reset()
+        caches = kept
+    else:
+        grow = kept is not None and kept.key == key
+        caches = _CallCaches(target, key, _bucket(max(target_len, kept.target_capacity if grow else 0)),
+                             _bucket(max(draft_len, kept.draft_capacity if grow else 0)),
+                             draft.config.num_hidden_layers, device)
+        if kept is None or not kept.busy:
+            local.caches = caches
+    caches.busy = True
+    try:
+        yield caches.target_cache, caches.draft_cache
+    finally:
+        caches.busy = False
+
+
 def _draft_logits(draft_fn, draft, embed, head, anchor, features, n_ctx, cache, block_size, mask_token_id):
     """Draft logits ``(1, block_size - 1, V)`` from ``draft_fn`` (compiled or not); then the draft context
     holds every position before the anchor. Tests replace this to script the acceptance."""
@@ -221,21 +298,33 @@ def _step_marker(compile_config, device):
 
 
 def static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run,
-                  compile_config=None):
+                  compile_config=None, draft_window=None):
     """The static-shape speculative loop (batch 1); fills ``run`` like the dynamic ``_decode``.
 
     Prefill and the first draft pass (whose context is the whole prompt) run eagerly; every later draft
-    and verify forward has the same shapes and goes through the compiled functions."""
-    device, prompt_len, b, out = input_ids.device, input_ids.shape[1], block_size, run.out
+    and verify forward has the same shapes and goes through the compiled functions. The caches are this
+    thread's for ``target`` (``call_caches``), emptied first; ``draft_window``: see ``spec_generate``."""
+    if input_ids.device.type == "cpu":
+        logger.warning(CPU_NOTE)
+    budget = run.stops.budget
+    prompt_len, b = input_ids.shape[1], block_size
+    with call_caches(target, draft, prompt_len + budget + b, prompt_len + budget + 2 * b, input_ids.device) as caches:
+        _static_steps(draft, target, input_ids, b, mask_token_id, sampling, output_timings, run, compile_config,
+                     draft_window, *caches)
+
+
+def _static_steps(draft, target, input_ids, b, mask_token_id, sampling, output_timings, run, compile_config,
+                 draft_window, target_cache, draft_cache):
+    """``static_decode``'s loop over the given (emptied) caches."""
+    device, prompt_len, out = input_ids.device, input_ids.shape[1], run.out
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     params = inspect.signature(target.forward).parameters
     cache_kw = "cache" if "cache" in params else "past_key_values"
     pass_cache_position = "cache_position" in params
     layer_ids = tuple(draft.config.target_layer_ids)
-    budget = run.stops.budget
-    target_cache = StaticCache(config=target.config, max_cache_len=_bucket(prompt_len + budget + b))
-    draft_cache = StaticDraftContext(draft.config.num_hidden_layers, _bucket(prompt_len + budget + 2 * b), device)
     verify, draft_fn = compiled(_verify_forward, compile_config), compiled(_draft_forward, compile_config)
+    if draft_window is not None:  # a Python constant of every draft call (one graph per window size)
+        draft_fn = functools.partial(draft_fn, draft_window=draft_window)
     mark_step = _step_marker(compile_config, device)
     if compile_config is not None:  # a cold target would set up its hidden-state outputs inside the graph
         warm_output_capture(target, layer_ids)
@@ -251,7 +340,8 @@ def static_decode(draft, target, input_ids, block_size, mask_token_id, sampling,
     rows = SimpleNamespace(ids=torch.zeros(1, dtype=torch.long, device=device),
                            n_new=torch.ones(1, dtype=torch.long, device=device), host_ids=[0], host_new=[1])
     anchor, start, n_ctx = first[:, None], prompt_len, torch.tensor(prompt_len, device=device)
-    draft_step = _draft_forward  # the first pass has the prompt's length; later ones are fixed-shape
+    # the first pass has the prompt's length; later ones are fixed-shape
+    draft_step = functools.partial(_draft_forward, draft_window=draft_window)
 
     while not done:
         mark_step()
@@ -288,4 +378,4 @@ def log_fallback(reason: str) -> None:
     logger.info(f"cache_implementation='static' falls back to the dynamic loop: {reason}")
 
 
-__all__ = ["StaticDraftContext", "static_decode", "static_unsupported_reason", "compiled"]
+__all__ = ["StaticDraftContext", "static_decode", "static_unsupported_reason", "compiled", "call_caches"]

@@ -5,6 +5,7 @@
     python -m bench --baseline OLD_DRAFTER_DIR       # + a drafter folder with its own (older) remote code
     python -m bench --sweep 64,512,1024               # + prompt-length sweep (held-out prompts left-extended)
     python -m bench --batch-sizes 1,4,16 --block-sizes 16,8,4   # + ragged left-padded batches vs batched generate
+    python -m bench --sweep 512,1024 --draft-window 256  # + package@B/window256 (spec_generate(draft_window=256))
     python -m bench --dataset gsm8k --chat-template   # an evaluation set through `datasets` (needs the Hub)
 
 Writes a JSON report (``--out``) and a PNG plot (``--plot``), prints a markdown table; ``--acceptance-out``
@@ -62,6 +63,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch-rounds", type=int, default=3)
     ap.add_argument("--sweep-prompts", type=int, default=8)
     ap.add_argument("--sweep-rounds", type=int, default=3)
+    ap.add_argument("--draft-window", type=int, metavar="N",
+                    help="also run package@B/windowN: spec_generate(draft_window=N), interleaved with package@B")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="auto")
@@ -84,6 +87,8 @@ def parse_args(argv=None):
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.data_files and not args.dataset:
         ap.error("--data-files needs --dataset (the column layout to read them with)")
+    if args.draft_window is not None and (args.draft_window < 1 or "package" not in _names(args.contenders)):
+        ap.error(f"--draft-window {args.draft_window}: expected an integer >= 1, with package in --contenders")
     if args.acceptance_out and "package" not in _names(args.contenders):
         ap.error("--acceptance-out records the package contender: add package to --contenders")
     if args.baseline and not (Path(args.baseline) / "config.json").is_file():
@@ -124,6 +129,9 @@ def build_contenders(args, target, draft, device, dtype) -> list:
         out.append(C.Contender("target.generate", C.target_generate(target)))
     for b in blocks if "package" in want else []:
         out.append(C.Contender(f"package@{b}", C.package(draft, target, b), b))
+        if args.draft_window is not None:
+            out.append(C.Contender(f"package@{b}/window{args.draft_window}",
+                                   C.package(draft, target, b, draft_window=args.draft_window), b))
     for b in blocks if "adaptive" in want else []:
         out.append(C.Contender(f"adaptive@{b}", C.package(draft, target, b, adaptive_block_size=True), b))
     if "baseline" in want and args.baseline:

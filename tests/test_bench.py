@@ -133,13 +133,13 @@ def test_benchmark_smoke_on_the_embedded_pair(tmp_path):
 
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     report = run(parse_args(["--num-prompts", "1", "--max-new-tokens", "24", "--rounds", "1", "--block-sizes", "8",
-                   "--contenders", "target,package,adaptive,prompt_lookup,native", "--sweep", "48",
+                   "--contenders", "target,package,adaptive,prompt_lookup,native", "--sweep", "48", "--draft-window", "8",
                    "--sweep-prompts", "1", "--sweep-rounds", "1", "--out", str(out), "--plot", str(png),
                    "--no-progress"]))
     saved = json.loads(out.read_text())
     assert png.stat().st_size > 0 and saved["main"] == json.loads(json.dumps(report["main"]))
     main_ = saved["main"]["contenders"]
-    expect = {"target.generate", "package@8", "adaptive@8", "prompt_lookup"} | (
+    expect = {"target.generate", "package@8", "package@8/window8", "adaptive@8", "prompt_lookup"} | (
         {"native"} if contenders.native_supported() else set())
     assert set(main_) == expect
     assert main_["target.generate"]["tau"] == 1.0 and main_["target.generate"]["speedup"] == 1.0
@@ -147,6 +147,7 @@ def test_benchmark_smoke_on_the_embedded_pair(tmp_path):
     assert all(not e.get("mismatches") for e in main_.values())  # greedy: every output is the target's
     assert saved["environment"]["threads"] == 1 and saved["environment"]["dtype"] == "float32"
     assert set(saved["sweep"]) == {"48"} and saved["sweep"]["48"]["contenders"]["package@8"]["tau"] >= 1.0
+    assert saved["sweep"]["48"]["contenders"]["package@8/window8"]["tau"] >= 1.0
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -157,6 +158,8 @@ def test_benchmark_smoke_on_the_embedded_pair(tmp_path):
     (["--block-sizes", "16,x"], "--block-sizes '16,x'"),
     (["--baseline", "no/such/folder"], "--baseline no/such/folder"),
     (["--reference-dir", "."], "dflash/model.py"),
+    (["--draft-window", "0"], "--draft-window 0"),
+    (["--draft-window", "8", "--contenders", "target"], "with package in --contenders"),
 ])
 def test_bench_bad_arguments_stop_before_any_work(argv, expected, capsys):
     from bench import cli

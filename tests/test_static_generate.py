@@ -3,6 +3,7 @@ compiled (``fullgraph=True``, eager backend), with a fixed number of graphs howe
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -235,3 +236,90 @@ def test_gpu_check_refuses_a_non_positive_derived_figure(capsys):
     assert "-0.001" in line["refused"]["s_per_token"] and "inf" in line["refused"]["c"]
     with pytest.raises(ValueError, match="without a reason"):
         gpu_check.emit(check="speed", c=None)
+
+def test_compiled_static_loop_does_not_recompile_across_calls_and_prompt_lengths():
+    """``CompileConfig(backend="eager")``: the first call compiles the draft and verify graphs; later calls
+    with other prompt lengths (shorter, so inside the first call's cache capacity) compile nothing more,
+    and every output equals the dynamic loop. Planted bug caught: fresh caches at every call (the capacity
+    then follows the prompt length: 240 + 16 + 6 needs 512 slots, 11 + 16 + 6 needs 256) -> two more graphs."""
+    from torch._dynamo.utils import counters
+
+    target, draft = TARGETS["qwen3"], tiny_draft(block_size=6)
+    torch._dynamo.reset()
+    counters.clear()
+    config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    graphs = []
+    for n in (240, 11, 60):
+        prompt = torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n))
+        out = draft.spec_generate(target, prompt, max_new_tokens=16, temperature=0.0, block_size=6,
+                                  cache_implementation="static", compile_config=config)
+        assert torch.equal(out, draft.spec_generate(target, prompt, max_new_tokens=16, temperature=0.0, block_size=6))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 2 and graphs == graphs[:1] * len(graphs), graphs
+
+
+def test_static_caches_are_per_target_and_thread_and_emptied_at_each_call(monkeypatch):
+    """Two threads never share caches; a thread's next call gets its own caches back, emptied (zeros,
+    counters at 0) before any forward. Planted bugs caught: one cache per target for all threads (same
+    objects across threads), no ``reset`` (a kept buffer holds the last call's keys)."""
+    import threading
+
+    target, draft = TARGETS["llama"], tiny_draft(block_size=6)
+    seen, real = [], static_generate._static_steps
+
+    def watch(*args):
+        target_cache, draft_cache = args[-2:]
+        keys = [k for k in draft_cache.keys if k is not None]
+        seen.append((threading.get_ident(), id(target_cache), id(draft_cache), int(draft_cache.length),
+                     all(not bool(k.any()) for k in keys), len(keys)))
+        return real(*args)
+
+    monkeypatch.setattr(static_generate, "_static_steps", watch)
+
+    # One thread after the other (a target's forward hooks, which the prefill uses, are not for concurrent
+    # calls), both alive until both are done so that their idents cannot be reused.
+    first_done, second_done, outputs = threading.Event(), threading.Event(), []
+
+    def run(wait, done):
+        try:
+            assert wait is None or wait.wait(120)
+            for _ in range(2):
+                outputs.append(draft.spec_generate(target, PROMPT, max_new_tokens=12, temperature=0.0,
+                                                   cache_implementation="static"))
+        finally:
+            done.set()
+            second_done.wait(120)
+
+    threads = [threading.Thread(target=run, args=(None, first_done)),
+               threading.Thread(target=run, args=(first_done, second_done))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert len(seen) == 4 and len(outputs) == 4
+    assert all(torch.equal(out, reference("llama", 12)) for out in outputs)
+    by_thread = {}
+    for ident, t_id, d_id, length, zeros, allocated in seen:
+        by_thread.setdefault(ident, []).append((t_id, d_id, allocated))
+        assert length == 0 and zeros
+    first, second = by_thread.values()
+    assert first[0][:2] == first[1][:2] and second[0][:2] == second[1][:2]  # reused within a thread
+    assert not {first[0][0], first[0][1]} & {second[0][0], second[0][1]}  # never shared between threads
+    assert first[1][2] > 0 and second[1][2] > 0  # the second call found allocated buffers (then emptied)
+
+
+def test_static_call_on_cpu_logs_one_warning_with_the_measured_figures(caplog):
+    """The note carries the README's measured figures; a call that falls back (batch 2) says nothing of it."""
+    draft = tiny_draft()
+    with caplog.at_level(logging.WARNING):
+        draft.spec_generate(TARGETS["qwen3"], PROMPT, max_new_tokens=5, temperature=0.0, cache_implementation="static")
+    notes = [r for r in caplog.records if "not faster than spec_generate's dynamic loop" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelno == logging.WARNING
+    readme = (REPO / "README.md").read_text()
+    for figure in re.findall(r"\d\.\d\dx", notes[0].getMessage()):
+        assert figure in readme, f"{figure} of the CPU note is not in the README"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        draft.spec_generate(TARGETS["qwen3"], PROMPT.repeat(2, 1), max_new_tokens=5, temperature=0.0,
+                            cache_implementation="static")
+    assert "not faster" not in caplog.text
