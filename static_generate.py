@@ -35,11 +35,13 @@ from transformers.utils import logging
 try:
     from .decode_step import _commit, _prefill_commit, _sync
     from .target_families import draft_block_embedding, draft_logits, sliding_target
-    from .target_taps import capture_target_features, hidden_states_request, run_target, warm_output_capture
+    from .target_taps import capture_target_features, forward_lock, hidden_states_request, run_target
+    from .target_taps import warm_output_capture
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from decode_step import _commit, _prefill_commit, _sync
     from target_families import draft_block_embedding, draft_logits, sliding_target
-    from target_taps import capture_target_features, hidden_states_request, run_target, warm_output_capture
+    from target_taps import capture_target_features, forward_lock, hidden_states_request, run_target
+    from target_taps import warm_output_capture
 
 logger = logging.get_logger(__name__)
 
@@ -354,8 +356,9 @@ def _static_steps(draft, target, input_ids, b, mask_token_id, sampling, output_t
             out.num_draft_forwards += 1
             draft_step = draft_fn
         positions = start + torch.arange(b, device=device)[None]
-        logits, features = verify(target, target_cache, block, positions, layer_ids, cache_kw, pass_cache_position,
-                                  feature_device)
+        with forward_lock(target):  # outside the compiled function: dynamo cannot enter a lock
+            logits, features = verify(target, target_cache, block, positions, layer_ids, cache_kw, pass_cache_position,
+                                      feature_device)
         out.num_target_forwards += 1
         accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
         new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])

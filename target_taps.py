@@ -77,6 +77,34 @@ def hidden_states_request(layer_ids):
     return sorted({k + 1 for k in layer_ids}) if _SELECTS_STATES else True
 
 
+_LAYERS_PATCHED_PER_CALL = int(transformers.__version__.split(".")[0]) < 5
+_FORWARD_LOCKS_GUARD = threading.Lock()
+_FORWARD_LOCKS = weakref.WeakKeyDictionary()  # target -> threading.RLock
+
+
+@contextlib.contextmanager
+def forward_lock(target, states: bool = True):
+    """Hold ``target``'s lock around one of our forwards on it where concurrent forwards from other threads
+    would corrupt it: one at a time per target.
+
+    Transformers 4.x collects hidden states by replacing the decoder layers' ``forward`` on the shared model
+    for the duration of a call that asks for them (``check_model_inputs``, ``utils/generic.py``): any other
+    thread's forward through those layers meanwhile appends its states to that call's tuple, or loses its
+    own (seen with two concurrent static-loop calls on one target: IndexError on the tuple, or states of the
+    other thread's prompt length). So on 4.x every forward of ours takes the lock; on 5.x, whose collection
+    is a ContextVar (thread-safe except under ``torch.compile``, where its ``CompileableContextVar`` is a
+    plain global), only those asking for hidden states (``states``). Uncontended it costs under a
+    microsecond; forwards that run outside our calls (a user's own ``generate`` in another thread) are
+    not covered."""
+    if not (states or _LAYERS_PATCHED_PER_CALL):
+        yield
+        return
+    with _FORWARD_LOCKS_GUARD:
+        lock = _FORWARD_LOCKS.setdefault(target, threading.RLock())
+    with lock:
+        yield
+
+
 def warm_output_capture(target, layer_ids) -> None:
     """Run transformers' first-use setup of hidden-state outputs eagerly, before a compiled forward asks
     for them: transformers 5.x installs its output-capturing hooks lazily, under a ``threading.Lock``,
@@ -85,7 +113,7 @@ def warm_output_capture(target, layer_ids) -> None:
     the CLASS's forward (the uncompiled function; no cache), once per call of ours; cheap and harmless
     where nothing is lazy (4.57). Source: issue "targets as users run them", items 4 and 5."""
     ids = torch.zeros(1, 1, dtype=torch.long, device=_input_device(target))
-    with torch.no_grad():
+    with torch.no_grad(), forward_lock(target):
         type(target).forward(target, input_ids=ids, use_cache=False, output_hidden_states=hidden_states_request(layer_ids))
 
 
@@ -111,9 +139,11 @@ def run_target(target, **kwargs):
     outputs = _OUTPUTS.get(target)
     stores = outputs.by_thread.get(threading.get_ident()) if outputs is not None else None
     if not stores:
-        return target(**kwargs)
+        with forward_lock(target, states=False):
+            return target(**kwargs)
     wanted = sorted(set().union(*(store["wanted"] for store in stores)))
-    out = target(**kwargs, output_hidden_states=hidden_states_request(wanted))
+    with forward_lock(target):
+        out = target(**kwargs, output_hidden_states=hidden_states_request(wanted))
     states, ids = out.hidden_states, kwargs.get("input_ids", kwargs.get("inputs_embeds"))
     for store in stores:
         store["shape"] = tuple(ids.shape[:2])
@@ -180,4 +210,5 @@ def capture_target_features(target, layer_ids, device=None):
         store.clear()
 
 
-__all__ = ["capture_target_features", "compiled_forward", "hidden_states_request", "run_target", "warm_output_capture"]
+__all__ = ["capture_target_features", "compiled_forward", "forward_lock", "hidden_states_request", "run_target",
+           "warm_output_capture"]

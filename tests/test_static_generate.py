@@ -276,8 +276,8 @@ def test_static_caches_are_per_target_and_thread_and_emptied_at_each_call(monkey
 
     monkeypatch.setattr(static_generate, "_static_steps", watch)
 
-    # One thread after the other (a target's forward hooks, which the prefill uses, are not for concurrent
-    # calls), both alive until both are done so that their idents cannot be reused.
+    # One thread after the other (so that each call's caches are seen alone; concurrent calls: the test below),
+    # both alive until both are done so that their idents cannot be reused.
     first_done, second_done, outputs = threading.Event(), threading.Event(), []
 
     def run(wait, done):
@@ -306,6 +306,41 @@ def test_static_caches_are_per_target_and_thread_and_emptied_at_each_call(monkey
     assert first[0][:2] == first[1][:2] and second[0][:2] == second[1][:2]  # reused within a thread
     assert not {first[0][0], first[0][1]} & {second[0][0], second[0][1]}  # never shared between threads
     assert first[1][2] > 0 and second[1][2] > 0  # the second call found allocated buffers (then emptied)
+
+
+def test_concurrent_static_calls_on_one_target_each_equal_generate():
+    """Two threads, two static-loop calls each, at the same time on one target: every output equals
+    ``generate``. The bug (transformers 4.x): a forward asking for hidden states replaces the decoder
+    layers' ``forward`` on the shared model for its duration, so the other thread's forwards meanwhile
+    filled its tuple or lost their own (IndexError, or states of the other prompt's length).
+    ``target_taps.forward_lock`` serialises our forwards per target; planted bug seen failing on 4.57 (lock
+    made a no-op: IndexError / size mismatch in ``_verify_forward``). On 5.x it passes either way."""
+    import sys
+    import threading
+
+    target, draft = TARGETS["llama"], tiny_draft(block_size=6)
+    outputs, errors = [], []
+
+    def run():
+        try:
+            for _ in range(2):
+                outputs.append(draft.spec_generate(target, PROMPT, max_new_tokens=12, temperature=0.0,
+                                                   cache_implementation="static"))
+        except Exception as exc:  # reported below with the thread's error
+            errors.append(repr(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # interleave the threads inside forwards
+    try:
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert len(outputs) == 4 and all(torch.equal(out, reference("llama", 12)) for out in outputs)
 
 
 def test_static_call_on_cpu_logs_one_warning_with_the_measured_figures(caplog):
