@@ -261,15 +261,14 @@ def selector_walk(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
     anchor_ids = anchor_ids.reshape(-1)
     _check_walk(hidden, logits, anchor_ids, do_sample, temperature, top_k or selector.top_k)
     projected = selector.hidden_projection(hidden)  # (B, n, r)
-    batched = selector.candidates(logits, top_k) if process is None else None
+    if process is None:
+        return _table_walk(selector, projected, *selector.candidates(logits, top_k), anchor_ids, logits,
+                           do_sample, temperature, generator)
     previous = anchor_ids
     chosen, candidate_rows, q_rows = [], [], []
     for slot in range(hidden.shape[1]):
-        if batched is not None:
-            unary, candidates = batched[0][:, slot], batched[1][:, slot]
-        else:
-            drafted = torch.stack(chosen, dim=1) if chosen else anchor_ids.new_zeros(anchor_ids.shape[0], 0)
-            unary, candidates = selector.candidates(process(slot, drafted, logits[:, slot]), top_k)
+        drafted = torch.stack(chosen, dim=1) if chosen else anchor_ids.new_zeros(anchor_ids.shape[0], 0)
+        unary, candidates = selector.candidates(process(slot, drafted, logits[:, slot]), top_k)
         scores = selector.score(unary, candidates, projected[:, slot], previous)  # (B, k)
         if do_sample:
             q = torch.softmax(scores.float() / temperature, dim=-1)
@@ -286,6 +285,78 @@ def selector_walk(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
     candidate_q = _stack(q_rows, logits, top_k or selector.top_k, torch.float32)
     q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, candidates, candidate_q)
     return SelectorDraft(tokens, q, candidates, candidate_q)
+
+
+def transition_scores(selector: CandidateSelector, unary: torch.Tensor, candidates: torch.Tensor,
+                      projected: torch.Tensor) -> torch.Tensor:
+    """Every score the walk can need after slot 0, in one pass: ``(B, n - 1, k, k)``, entry
+    ``[b, j - 1, p, c]`` the score of candidate ``c`` of slot ``j`` after candidate ``p`` of slot ``j - 1``.
+
+    Each entry is computed by the same operations on the same operands as [`CandidateSelector.score`]
+    (gathers, one elementwise product, an ``einsum("br,bkr->bk")`` whose rows are the ``k`` possible
+    predecessors instead of the chosen one, then ``unary +``), so the scores are bit-identical to the
+    slot-by-slot walk (z-lab's) and the walk itself shrinks to a gather and an argmax (or a draw) per
+    slot: the sequential part of a DFlash 2 draft, about 15 slots of small operations, was most of its
+    extra cost per step on CPU (README, DFlash 2 cost per step).
+
+    Args:
+        unary, candidates: ``(B, n, k)`` the slots' top-k draft logits and their ids.
+        projected: ``(B, n, r)`` ``hidden_projection`` of the slots' states.
+    """
+    b, n, k = candidates.shape
+    if n < 2:
+        return unary.new_zeros(b, 0, k, k)
+    context = F.embedding(candidates[:, :-1], selector.predecessor_codebook) * projected[:, 1:, None, :]  # (B, n-1, k, r)
+    successors = F.embedding(candidates[:, 1:], selector.successor_codebook)  # (B, n-1, k, r)
+    r = context.shape[-1]
+    successors = successors[:, :, None].expand(b, n - 1, k, k, r).reshape(-1, k, r)  # (B (n-1) k, k, r)
+    bilinear = torch.einsum("br,bkr->bk", context.reshape(-1, r), successors).view(b, n - 1, k, k)
+    return unary[:, 1:, None, :] + bilinear
+
+
+def _table_walk(selector, projected, unary, candidates, anchor_ids, logits, do_sample, temperature, generator):
+    """[`selector_walk`] without per-slot processors: slot 0 scored from the anchor, the rest read from
+    [`transition_scores`]; the same choices, draws (same RNG calls in the same order) and ``q``."""
+    b, n, k = candidates.shape
+    table = transition_scores(selector, unary, candidates, projected)  # (B, n-1, k, k)
+    scores = selector.score(unary[:, 0], candidates[:, 0], projected[:, 0], anchor_ids) if n else None  # (B, k)
+    q_rows = []
+    if not do_sample:  # greedy: the best successor of every candidate, then a chain of lookups
+        index = _greedy_chain(torch.argmax(scores, dim=-1) if n else None, torch.argmax(table, dim=-1), b, n)
+    else:
+        picks = []
+        for slot in range(n):
+            if slot:
+                scores = table[:, slot - 1].gather(1, picks[-1][:, None, None].expand(b, 1, k))[:, 0]  # (B, k)
+            q_rows.append(torch.softmax(scores.float() / temperature, dim=-1))
+            picks.append(torch.multinomial(q_rows[-1], 1, generator=generator)[:, 0])
+        index = torch.stack(picks, dim=1) if picks else candidates.new_zeros(b, 0)  # (B, n) chosen candidate per slot
+    tokens = candidates.gather(-1, index[..., None])[..., 0]
+    candidate_q = torch.stack(q_rows, dim=1) if do_sample and n else F.one_hot(index, k).float()  # (B, n, k)
+    q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, candidates, candidate_q)
+    return SelectorDraft(tokens, q, candidates, candidate_q)
+
+
+def _greedy_chain(first: Optional[torch.Tensor], best: torch.Tensor, b: int, n: int,
+                  on_host: Optional[bool] = None) -> torch.Tensor:
+    """``(B, n)`` candidate index per slot: ``first`` ``(B,)`` for slot 0, then ``best[:, j - 1, previous]``
+    (``best`` ``(B, n-1, k)``: argmax successor of each candidate, ties to the first as ``torch.argmax``).
+    ``on_host`` (default: the tensors are on CPU): the chain runs in Python on two small transfers (no
+    per-slot operator overhead); otherwise one gather per slot on the device (no host synchronisation)."""
+    if n == 0:
+        return best.new_zeros(b, 0)
+    if first.device.type == "cpu" if on_host is None else on_host:
+        chains = []
+        for row, start in zip(best.tolist(), first.tolist()):
+            chain = [start]
+            for successors in row:
+                chain.append(successors[chain[-1]])
+            chains.append(chain)
+        return torch.tensor(chains, dtype=torch.long, device=best.device)
+    picks = [first]
+    for slot in range(1, n):
+        picks.append(best[:, slot - 1].gather(1, picks[-1][:, None])[:, 0])
+    return torch.stack(picks, dim=1)
 
 
 def _stack(rows: list, logits: torch.Tensor, k: int, dtype) -> torch.Tensor:

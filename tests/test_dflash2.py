@@ -463,6 +463,34 @@ def test_per_slot_processor_sees_the_drafted_prefix():
     assert all(torch.equal(drafted, banned.tokens[:, :slot]) for slot, drafted in calls)
 
 
+@pytest.mark.parametrize("rank,top_k", [(R, TOP_K), (256, 16)])  # the fixture's sizes; the published ones
+def test_table_walk_is_bit_identical_to_the_slot_by_slot_walk(rank, top_k):
+    """Without processors the walk reads every score after slot 0 from ``transition_scores`` (one batched
+    pass); with an identity processor it scores slot by slot as z-lab does. Sampled q rows equal bit for
+    bit (so do the scores under them), with the same draws from the same generator, and greedy walks
+    equal. Planted bugs caught: predecessors taken from the slot's own candidates; an einsum over all
+    predecessors at once (``bpr,bkr->bpk``, other rounding on some BLAS paths) is what this guards against."""
+    selector = CandidateSelector(H, V, rank, top_k)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in selector.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.6)
+        hidden, logits, anchors = walk_inputs(batch=5, slots=15, seed=8)
+        walks = {sample: [selector_walk(selector, hidden, logits, anchors, do_sample=sample, temperature=0.7,
+                                        generator=torch.Generator().manual_seed(9), process=process)
+                          for process in (None, lambda slot, drafted, x: x)] for sample in (False, True)}
+        for sample, (table, by_slot) in walks.items():
+            assert all(torch.equal(x, y) for x, y in zip(table, by_slot)), f"do_sample={sample}"
+        assert (walks[False][0].tokens != logits.argmax(-1)).float().mean() > 0.3  # the bilinear term decides
+        one = selector_walk(selector, hidden[:, :1], logits[:, :1], anchors)  # one mask slot: no table
+        by_hand = walk_by_hand(selector, hidden[:, :1], logits[:, :1], anchors, top_k)[0]
+        assert torch.equal(one.tokens, by_hand)
+    best = torch.randint(0, top_k, (5, 14, top_k), generator=gen)  # the greedy chain: host (CPU) and device way
+    first = torch.randint(0, top_k, (5,), generator=gen)
+    host, device = (dflash2._greedy_chain(first, best, 5, 15, on_host=way) for way in (True, False))
+    assert torch.equal(host, device) and host[2, 3] == best[2, 2, host[2, 2]]
+
+
 def test_walk_refuses_bad_input_before_any_work():
     selector = strong_selector()
     hidden, logits, anchors = walk_inputs()
