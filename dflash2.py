@@ -379,4 +379,4 @@ def _check_walk(hidden, logits, anchor_ids, do_sample, temperature, k) -> None:
 
 
 __all__ = ["CODEBOOK_KEY_MAPPING", "CandidateSelector", "GroupedDynamicCausalConv", "SelectorDraft", "SlotProcessor",
-           "grouped_dynamic_causal_conv", "selector_walk"]
+           "grouped_dynamic_causal_conv", "selector_walk", "transition_scores"]
