@@ -295,9 +295,12 @@ def transition_scores(selector: CandidateSelector, unary: torch.Tensor, candidat
     Each entry is computed by the same operations on the same operands as [`CandidateSelector.score`]
     (gathers, one elementwise product, an ``einsum("br,bkr->bk")`` whose rows are the ``k`` possible
     predecessors instead of the chosen one, then ``unary +``), so the scores are bit-identical to the
-    slot-by-slot walk (z-lab's) and the walk itself shrinks to a gather and an argmax (or a draw) per
-    slot: the sequential part of a DFlash 2 draft, about 15 slots of small operations, was most of its
-    extra cost per step on CPU (README, DFlash 2 cost per step).
+    slot-by-slot walk (z-lab's; one einsum over all predecessors at once, ``"bjpr,bjkr->bjpk"``, rounds
+    differently at rank 256 on CPU, tests/test_dflash2.py). The walk then shrinks to a chain of lookups
+    (greedy) or a gather and a draw per slot: the sequential part of a DFlash 2 draft, about 15 slots of
+    small operations, was most of its extra cost per step on CPU (README, DFlash 2 cost per step).
+    Memory: the successor rows are repeated per predecessor, ``B (n-1) k k r`` values (3.5 MiB in fp32
+    at batch 1, block 16, top-k 16, rank 256), freed after the call.
 
     Args:
         unary, candidates: ``(B, n, k)`` the slots' top-k draft logits and their ids.

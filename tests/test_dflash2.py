@@ -468,8 +468,8 @@ def test_table_walk_is_bit_identical_to_the_slot_by_slot_walk(rank, top_k):
     """Without processors the walk reads every score after slot 0 from ``transition_scores`` (one batched
     pass); with an identity processor it scores slot by slot as z-lab does. Sampled q rows equal bit for
     bit (so do the scores under them), with the same draws from the same generator, and greedy walks
-    equal. Planted bugs caught: predecessors taken from the slot's own candidates; an einsum over all
-    predecessors at once (``bpr,bkr->bpk``, other rounding on some BLAS paths) is what this guards against."""
+    equal. Planted bugs caught: predecessors taken from the slot's own candidates; the bilinear term as one
+    einsum over all predecessors at once (``bjpr,bjkr->bjpk``: other rounding, rank 256 fails)."""
     selector = CandidateSelector(H, V, rank, top_k)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
