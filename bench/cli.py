@@ -55,6 +55,9 @@ def parse_args(argv=None):
     ap.add_argument("--reference-dir", help="local copy of the authors' repository (the folder holding dflash/)")
     ap.add_argument("--baseline", help="a drafter folder with its own remote code (e.g. the package before a change)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against the target)")
+    ap.add_argument("--top-k", type=int, default=0,
+                    help="sampled runs: top-k of every contender's distribution (0 = none, the plain tempered "
+                         "distribution; 50 = generate's default); not with the authors' loop, which has none")
     ap.add_argument("--chat-template", action="store_true", help="wrap the first user turn in the chat template")
     ap.add_argument("--enable-thinking", action="store_true", help="passed to the chat template")
     ap.add_argument("--sweep", default="", help="prompt lengths in tokens (held-out prompts left-extended)")
@@ -89,6 +92,11 @@ def parse_args(argv=None):
         ap.error("--data-files needs --dataset (the column layout to read them with)")
     if args.draft_window is not None and (args.draft_window < 1 or "package" not in _names(args.contenders)):
         ap.error(f"--draft-window {args.draft_window}: expected an integer >= 1, with package in --contenders")
+    if args.top_k < 0 or (args.top_k and not args.temperature):
+        ap.error(f"--top-k {args.top_k}: expected an integer >= 0, and > 0 only with --temperature > 0")
+    if args.top_k and args.reference_dir and "reference" in _names(args.contenders):
+        ap.error(f"--top-k {args.top_k}: the authors' loop samples the plain tempered distribution (no top-k); "
+                 "leave reference out of --contenders")
     if args.acceptance_out and "package" not in _names(args.contenders):
         ap.error("--acceptance-out records the package contender: add package to --contenders")
     if args.baseline and not (Path(args.baseline) / "config.json").is_file():
@@ -198,7 +206,7 @@ def run(args) -> dict:
     device = parse_device(args.device)
     dtype = getattr(torch, args.dtype)
     clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
-    sampling = {"temperature": args.temperature}
+    sampling = {"temperature": args.temperature, "top_k": args.top_k}
     quiet_loading()
     tok, target, draft = load_models(args, device, dtype)
     if args.acceptance_out and str(draft.config.block_size) not in _names(args.block_sizes):
@@ -212,10 +220,11 @@ def run(args) -> dict:
     prompts = [torch.tensor([encode(tok, t)], device=device) for t in texts]
     cons = build_contenders(args, target, draft, device, dtype)
     greedy = not args.temperature
+    mode = "greedy" if greedy else f"T={args.temperature}" + (f" top-k {args.top_k}" if args.top_k else "")
     runs = interleaved(cons, target, prompts, args.max_new_tokens, args.rounds, sampling, args.seed,
                        progress=not args.no_progress)
     report = {"title": f"{len(prompts)} prompts x {args.max_new_tokens} tokens, "
-                       f"{'greedy' if greedy else f'T={args.temperature}'}, {args.rounds} rounds, {device}, "
+                       f"{mode}, {args.rounds} rounds, {device}, "
                        f"{torch.get_num_threads()} thread(s), {args.dtype}",
               "command": getattr(args, "command", "python -m bench"),
               "environment": environment(args, device, dtype, clock), "settings": vars(args),

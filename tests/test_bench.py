@@ -150,6 +150,37 @@ def test_benchmark_smoke_on_the_embedded_pair(tmp_path):
     assert saved["sweep"]["48"]["contenders"]["package@8/window8"]["tau"] >= 1.0
 
 
+def test_top_k_reaches_every_sampling_contender_and_refuses_the_authors_loop(tmp_path, capsys):
+    """--top-k is the top-k of target.generate (prompt lookup and the native loop go through it) and of
+    spec_generate (package, baseline); the authors' loop has none, so naming it with --top-k stops."""
+    from bench import cli, contenders as C
+
+    class Config:
+        eos_token_id, pad_token_id = 0, None
+
+    target = type("T", (), {"generation_config": Config()})()
+    assert C.generate_kwargs(target, {"temperature": 0.7, "top_k": 50})["top_k"] == 50
+    assert C.generate_kwargs(target, {"temperature": 0.7})["top_k"] == 0
+    seen = {}
+
+    class Draft:
+        def spec_generate(self, target, ids, **kw):
+            seen.update(kw)
+            raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError):
+        C.package(Draft(), target, 16)(torch.tensor([[1, 2]]), 4, {"temperature": 0.7, "top_k": 50})
+    assert seen["top_k"] == 50 and seen["do_sample"] and seen["temperature"] == 0.7
+    (tmp_path / "dflash").mkdir()
+    (tmp_path / "dflash" / "model.py").write_text("")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--top-k", "50", "--temperature", "1.0", "--reference-dir", str(tmp_path)])
+    assert "leave reference out of --contenders" in capsys.readouterr().err
+    args = cli.parse_args(["--top-k", "50", "--temperature", "1.0", "--reference-dir", str(tmp_path),
+                           "--contenders", "target,package"])
+    assert args.top_k == 50
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--contenders", "target,pakage"], "unknown ['pakage']"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
@@ -160,6 +191,8 @@ def test_benchmark_smoke_on_the_embedded_pair(tmp_path):
     (["--reference-dir", "."], "dflash/model.py"),
     (["--draft-window", "0"], "--draft-window 0"),
     (["--draft-window", "8", "--contenders", "target"], "with package in --contenders"),
+    (["--top-k", "50"], "> 0 only with --temperature > 0"),
+    (["--top-k", "-1", "--temperature", "0.7"], "--top-k -1: expected an integer >= 0"),
 ])
 def test_bench_bad_arguments_stop_before_any_work(argv, expected, capsys):
     from bench import cli
