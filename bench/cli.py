@@ -273,7 +273,7 @@ def batch_runs(args, target, draft, prompts: list, sampling: dict, clock: str, g
     cons = {}
     if "target" in want:
         cons["target.generate"] = (B.generate_contender(target, kw), None, None)
-    package_kw = {k: v for k, v in kw.items() if k in ("do_sample", "temperature", "top_k", "top_p")}
+    package_kw = C.sampling_kwargs(sampling)
     for b in [int(x) for x in args.block_sizes.split(",")] if "package" in want else []:
         cons[f"package@{b}"] = (B.package_contender(draft, target, b, package_kw), b, None)
     if "prompt_lookup" in want:

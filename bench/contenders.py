@@ -34,16 +34,21 @@ class Contender:
     block_size: Optional[int] = None  # drafted block (for per-slot statistics), None: not a block drafter
 
 
+def sampling_kwargs(sampling: dict) -> dict:
+    """Decoding kwargs shared by ``generate`` and ``spec_generate``: greedy (``{}``) or sampled
+    (``{"temperature": T, "top_k": k}``) with top-k ``k`` (0 or absent: none) and no top-p, so every
+    contender samples from the same distribution."""
+    if sampling.get("temperature"):
+        return {"do_sample": True, "temperature": sampling["temperature"], "top_k": sampling.get("top_k") or 0,
+                "top_p": 1.0}
+    return {"do_sample": False}
+
+
 def generate_kwargs(target, sampling: dict) -> dict:
-    """``generate`` kwargs for greedy (``{}``) or sampled (``{"temperature": T, "top_k": k}``) decoding: top-k
-    ``k`` (0 or absent: none) and no top-p, so every contender samples from the same distribution."""
+    """``generate`` kwargs: the target's eos/pad ids and [`sampling_kwargs`]."""
     eos = target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
-    kw = dict(eos_token_id=eos, pad_token_id=pad if pad is not None else eos)
-    if sampling.get("temperature"):
-        return {**kw, "do_sample": True, "temperature": sampling["temperature"], "top_k": sampling.get("top_k") or 0,
-                "top_p": 1.0}
-    return {**kw, "do_sample": False}
+    return dict(eos_token_id=eos, pad_token_id=pad if pad is not None else eos, **sampling_kwargs(sampling))
 
 
 def _new(out, ids, eos) -> list[int]:
@@ -67,10 +72,8 @@ def target_generate(target, **extra) -> Callable:
 def package(draft, target, block_size: int, **options) -> Callable:
     """``draft.spec_generate`` at ``block_size``; ``options`` go to ``spec_generate`` as they are."""
     def run(ids, max_new_tokens, sampling):
-        kw = {"do_sample": True, "temperature": sampling["temperature"], "top_k": sampling.get("top_k") or 0,
-              "top_p": 1.0} if sampling.get("temperature") else {"do_sample": False}
         out = draft.spec_generate(target, ids, max_new_tokens=max_new_tokens, block_size=block_size,
-                                  return_dict_in_generate=True, **kw, **options)
+                                  return_dict_in_generate=True, **sampling_kwargs(sampling), **options)
         return out.sequences[0, ids.shape[1]:][: out.num_new_tokens[0]].tolist(), out.row_acceptance_lengths[0]
     return run
 
