@@ -42,7 +42,7 @@ try:
     from .generation_output import DFlashGenerateOutput  # noqa: F401
     from .generation_utils import spec_generate as _spec_generate
     from .generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
-    from .native_routes import CUSTOM_GENERATE_PY, check_native_target
+    from .native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, native_dflash_available
     from .speculative_sampling import speculative_verify  # noqa: F401
     from .static_generate import static_decode as _static_decode  # noqa: F401
     from .stopping_criteria import _Stops  # noqa: F401
@@ -60,7 +60,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from generation_output import DFlashGenerateOutput  # noqa: F401
     from generation_utils import spec_generate as _spec_generate
     from generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
-    from native_routes import CUSTOM_GENERATE_PY, check_native_target
+    from native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, native_dflash_available
     from speculative_sampling import speculative_verify  # noqa: F401
     from static_generate import static_decode as _static_decode  # noqa: F401
     from stopping_criteria import _Stops  # noqa: F401
@@ -202,6 +202,17 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return q_embed, k_embed
 
 
+_SDPA_TAKES_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def sdpa_groups_keys(q: torch.Tensor, mask) -> bool:
+    """Whether sdpa attends over the un-repeated kv heads (``enable_gqa``, torch >= 2.5): on CPU with any mask,
+    elsewhere only without one (CUDA's masked kernels would fall back to the math path; transformers'
+    ``use_gqa_in_sdpa`` draws the same line). On CPU bit-identical to ``repeat_kv`` + sdpa, without copying
+    every cached key and value ``num_kv_groups`` times per layer and step (z-lab's draft skips it too)."""
+    return _SDPA_TAKES_GQA and (mask is None or q.device.type == "cpu")
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """``(b, kv_heads, n, d)`` -> ``(b, kv_heads * n_rep, n, d)`` for grouped-query attention."""
     if n_rep == 1:
@@ -305,6 +316,8 @@ class DFlashAttention(nn.Module):
                 causal=self.is_causal, window_size=(left, 0 if self.is_causal else left),
             )
             return out.transpose(1, 2)
+        if impl != "eager" and self.num_kv_groups > 1 and sdpa_groups_keys(q, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         k, v = repeat_kv(k, self.num_kv_groups), repeat_kv(v, self.num_kv_groups)
         if impl == "eager":
             return eager_attention(q, k, v, mask, self.scaling)
@@ -344,27 +357,6 @@ class DFlashDecoderLayer(nn.Module):
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-
-
-def native_dflash_available() -> bool:
-    """True when this transformers has its own DFlash candidate generator (5.x), i.e. when
-    ``target.generate(assistant_model=draft, speculation_type="dflash")`` exists."""
-    try:
-        from transformers.generation import candidate_generator
-    except ImportError:
-        return False
-    return hasattr(candidate_generator, "DFlashTokenCandidateGenerator")
-
-
-def assistant_usage_hint() -> str:
-    """How to use a DFlash draft from ``generate()`` on the installed transformers version."""
-    routes = ("draft.spec_generate(target, input_ids, ...), or target.generate(input_ids, "
-              "custom_generate=<this drafter's folder or Hub repo>, assistant_model=draft, trust_remote_code=True)")
-    if native_dflash_available():
-        return ("a DFlash draft is not a generic generate() assistant: pass speculation_type=\"dflash\" with "
-                f"assistant_model=draft (transformers' own DFlash path), or use {routes}")
-    return ("a DFlash draft is not a generic generate() assistant, and this transformers version has no native "
-            f"DFlash path (speculation_type=\"dflash\" needs transformers >= 5): use {routes}")
 
 
 class DFlashPreTrainedModel(PreTrainedModel):

@@ -18,6 +18,27 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from generation_output import DFlashGenerateOutput
 
 
+def native_dflash_available() -> bool:
+    """True when this transformers has its own DFlash candidate generator (5.x), i.e. when
+    ``target.generate(assistant_model=draft, speculation_type="dflash")`` exists."""
+    try:
+        from transformers.generation import candidate_generator
+    except ImportError:
+        return False
+    return hasattr(candidate_generator, "DFlashTokenCandidateGenerator")
+
+
+def assistant_usage_hint() -> str:
+    """How to use a DFlash draft from ``generate()`` on the installed transformers version."""
+    routes = ("draft.spec_generate(target, input_ids, ...), or target.generate(input_ids, "
+              "custom_generate=<this drafter's folder or Hub repo>, assistant_model=draft, trust_remote_code=True)")
+    if native_dflash_available():
+        return ("a DFlash draft is not a generic generate() assistant: pass speculation_type=\"dflash\" with "
+                f"assistant_model=draft (transformers' own DFlash path), or use {routes}")
+    return ("a DFlash draft is not a generic generate() assistant, and this transformers version has no native "
+            f"DFlash path (speculation_type=\"dflash\" needs transformers >= 5): use {routes}")
+
+
 def check_native_target(draft_config, max_depth: int = 8) -> None:
     """On transformers' native DFlash route, ValueError naming both sizes unless the target's input
     embedding has ``draft_config.vocab_size`` rows (``generation_arguments.check_vocab``).
@@ -117,4 +138,5 @@ def write_custom_generate(folder) -> str:
     return path
 
 
-__all__ = ["native_acceptance_stats", "write_custom_generate", "CUSTOM_GENERATE_PY", "check_native_target"]
+__all__ = ["native_acceptance_stats", "write_custom_generate", "CUSTOM_GENERATE_PY", "check_native_target",
+           "native_dflash_available", "assistant_usage_hint"]

@@ -2,8 +2,10 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, DynamicCache
 
+import modeling_dflash
 from generation_utils import capture_target_features, crop_cache
 from modeling_dflash import DFlashDraftModel, compute_rope_inv_freq
 from reference import draft_logits, reference_spec_generate, target_features
@@ -61,6 +63,54 @@ def test_feature_taps_are_layer_outputs_with_post_norm_last_layer():
     with pytest.raises(ValueError, match=r"\[3\]"):
         with capture_target_features(target, [0, 3]):
             pass
+
+
+@pytest.mark.parametrize("case", ["no mask", "key mask", "sliding layer", "draft window"])
+def test_grouped_query_sdpa_is_bit_identical_to_repeated_keys(monkeypatch, case):
+    """On CPU the draft attends over the un-repeated kv heads (``enable_gqa``) instead of copying every cached
+    key ``num_kv_groups`` times per layer and step; its drafts stay bit-identical to the repeat_kv path
+    (z-lab's, on the same weights). Attention is peaked (q/k scaled) so a wrong key-to-head pairing shows."""
+    sliding = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+    draft = tiny_draft(**(sliding if case == "sliding layer" else {}))
+    with torch.no_grad():
+        for layer in draft.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+    assert draft.layers[0].self_attn.num_kv_groups == 2
+    g = torch.Generator().manual_seed(3)
+    past, ctx, b = 9, 3, 4
+    features = torch.randn(1, past + ctx, 2 * 40, generator=g)
+    noise = torch.randn(1, b, 40, generator=g)
+    kwargs = {}
+    if case == "key mask":
+        kwargs["attention_mask"] = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1] + [1] * b])
+    if case == "draft window":
+        kwargs["draft_window"] = 4
+
+    def run():
+        cache = DynamicCache()
+        draft(position_ids=torch.arange(past + b)[None], noise_embedding=noise, target_hidden=features[:, :past],
+              past_key_values=cache)
+        crop_cache(cache, past)
+        return draft(position_ids=torch.arange(past, past + ctx + b)[None], noise_embedding=noise,
+                     target_hidden=features[:, past:], past_key_values=cache, **kwargs)
+
+    grouped = [0]
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kw):
+        grouped[0] += bool(kw.get("enable_gqa"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        fast = run()
+        assert grouped[0] > 0, "the CPU path did not attend over grouped kv heads"
+        monkeypatch.setattr(modeling_dflash, "sdpa_groups_keys", lambda q, mask: False)
+        grouped[0] = 0
+        slow = run()
+        assert grouped[0] == 0
+    assert torch.equal(fast, slow)
 
 
 def test_incremental_cache_equals_full_recompute():
