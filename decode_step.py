@@ -141,18 +141,20 @@ class _Rows:
         self.ctx = ctx if self.ctx is None else self.ctx.cat(ctx)
 
 
-def _commit(run, rows, accepted, drafted, new, scores, logits):
-    """Append each row's tokens (accepted drafts + the next token, ``new`` ``(A, n + 1)``), cut at the
-    row's budget (by length, never by value) and right after its first stopping token; record the
-    statistics of the step. One device-to-host transfer (the acceptance decision). Returns host lists
-    ``(committed (A,), done (A,))``: anchor + accepted drafts per row, and whether the row is done."""
+def _commit(run, rows, accepted, drafts, next_token, scores, logits):
+    """Append each row's tokens (its ``accepted`` ``(A,)`` first ``drafts`` ``(A, n)``, then ``next_token``
+    ``(A,)``), cut at the row's budget (by length, never by value) and right after its first stopping token;
+    record the statistics of the step. One device-to-host transfer (the acceptance decision, the drafts and
+    the next token together). Returns host lists ``(committed (A,), done (A,))``: anchor + accepted drafts
+    per row, and whether the row is done."""
     done, counts, totals = [], [], []
-    host = torch.cat([accepted[:, None], new], dim=1).tolist()  # (A, 1 + n + 1): the step's only sync
+    drafted = drafts.shape[1]
+    host = torch.cat([accepted[:, None], drafts, next_token[:, None]], dim=1).tolist()  # the step's only sync
     remaining = [run.stops.budget - n for n in rows.host_new]
     n_new = rows.host_new
-    for i, (r, (a, *row_new)) in enumerate(zip(rows.host_ids, host)):
+    for i, (r, (a, *row)) in enumerate(zip(rows.host_ids, host)):
         counts.append(a + 1)
-        take = row_new[: min(a + 1, remaining[i])]
+        take = (row[:a] + row[-1:])[: min(a + 1, remaining[i])]
         start = n_new[i] + (run.history.prompt_len if run.history is not None else 0)
         if run.history is not None:
             run.history.write(r, start, take)

@@ -600,7 +600,8 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
             drafted = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
                                     rows.start, b, mask_token_id, **walk, **window)
             drafts, q = sampling.walk(selector, *drafted, rows) if walk else sampling.propose(drafted, rows)
-            block = torch.cat([rows.anchor, drafts.to(device)], dim=1)  # (A, b)
+            del drafted  # (A, b - 1, V) draft logits: freed before the verify forward allocates
+            block = torch.cat([rows.anchor, drafts if drafts.device == device else drafts.to(device)], dim=1)  # (A, b)
             rows.context_drafted(draft_cache.get_seq_length())
             drafts_run += 1
         logits = _forward_target(target, cache_kw, target_cache, block, positions,
@@ -609,9 +610,9 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         verifies += 1
         accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
         committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor
-        new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
-        counts, finished = _commit(run, rows, accepted, b - 1, new, scores, logits)
+        counts, finished = _commit(run, rows, accepted, block[:, 1:], next_token, scores, logits)
         sampling.advance(rows, counts, logits, finished)  # the caller's processors: replay the committed slots
+        del logits, scores, q  # (A, b, V) each (or None): freed before the next draft pass allocates
         committed, counts = resume.kept(run, committed, counts, finished)  # a returned cache ends at the output
         if run.stops.timed_out():  # max_time: once per verify step, after the commit
             finished = [True] * len(finished)

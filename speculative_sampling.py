@@ -265,7 +265,7 @@ class _Sampling:
         if not self.do_sample:  # greedy: keep drafts equal to the target's (processed) argmax
             scores = self.target_scores(drafts, target_logits, rows) if len(self.procs) else None
             choice = (target_logits if scores is None else scores).argmax(dim=-1)  # (A, n + 1)
-            accepted = (drafts == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+            accepted = (drafts == choice[:, :-1]).cumprod(dim=1).sum(dim=1)  # bool cumprod: int64
             if scores is None and self.want_scores:
                 scores = target_logits.float()
             return accepted, choice.gather(1, accepted[:, None])[:, 0], scores

@@ -361,8 +361,7 @@ def _static_steps(draft, target, input_ids, b, mask_token_id, sampling, output_t
                                       feature_device)
         out.num_target_forwards += 1
         accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
-        new = torch.cat([block[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None], next_token[:, None])
-        counts, finished = _commit(run, rows, accepted, b - 1, new, scores, logits)  # the step's one host sync
+        counts, finished = _commit(run, rows, accepted, block[:, 1:], next_token, scores, logits)  # the step's one host sync
         done = finished[0] or run.stops.timed_out()
         c = counts[0]  # anchor + accepted drafts enter the caches; next_token is the new anchor
         _rollback_target(target_cache, pass_cache_position, written=start + b, keep=start + c)

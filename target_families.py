@@ -92,7 +92,7 @@ def concat_taps(store: dict, layer_ids, device=None) -> torch.Tensor:
                            "(taps read from the forward's hidden states) call it through target_taps.run_target")
     batch, length = store["shape"]
     taps = [check_tap(k, store[k], batch, length) for k in layer_ids]
-    return torch.cat([t if device is None else t.to(device) for t in taps], dim=-1)
+    return torch.cat([t if device is None or t.device == device else t.to(device) for t in taps], dim=-1)
 
 
 def prefill_kwargs(target, forward_params) -> dict:
@@ -418,7 +418,7 @@ def draft_block_embedding(config, embed, ids: torch.LongTensor) -> torch.Tensor:
         finally:
             hook.post_forward(embed, None)
     else:
-        rows = torch.nn.functional.embedding(ids.to(weight.device), weight)
+        rows = torch.nn.functional.embedding(ids if ids.device == weight.device else ids.to(weight.device), weight)
     return rows if scale is None else rows * scale
 
 
@@ -427,7 +427,7 @@ def draft_logits(config, head, hidden: torch.Tensor) -> torch.Tensor:
     ``config.output_multiplier``, then soft-capped ``cap * tanh(logits / cap)`` with
     ``config.final_logit_softcapping`` (each step only when the drafter config sets it; the keys
     engines read on drafter configs, notes section 7)."""
-    logits = head(hidden.to(head.weight.dtype))
+    logits = head(hidden if hidden.dtype == head.weight.dtype else hidden.to(head.weight.dtype))
     multiplier = getattr(config, "output_multiplier", None)
     if multiplier is not None:
         logits = logits * multiplier
