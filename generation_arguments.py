@@ -6,6 +6,7 @@ by name) and ``NO_EFFECT_KEYS`` (accepted, without effect, with the reason); the
 the mask, the numbers and the draft/target pairing raise before any forward pass.
 """
 
+import functools
 import inspect
 
 import torch
@@ -249,12 +250,18 @@ def _check_refused(generation_config, where="generation_config"):
             )
 
 
+@functools.lru_cache(maxsize=1)
+def _known_keys() -> frozenset:
+    """Every keyword ``spec_generate`` takes through ``**kwargs``: the ``GenerationConfig`` fields of the installed
+    transformers and ours. Built once per process (a ``GenerationConfig().to_dict()`` deep-copies every field)."""
+    return frozenset(GenerationConfig().to_dict()) | frozenset(REFUSED_KEYS) | frozenset(NO_EFFECT_KEYS) | APPLIED_KEYS
+
+
 def _generate_kwargs(passed: dict, kwargs: dict, stop_token_ids, generation_config, target) -> dict:
     """The keyword arguments handed to ``generate``: passed ``generate``-named arguments and every
     ``GenerationConfig`` field in ``kwargs`` (TypeError for any other name), ``stop_token_ids`` as
     ``eos_token_id``, ``temperature=0`` as greedy."""
-    known = set(GenerationConfig().to_dict()) | set(REFUSED_KEYS) | set(NO_EFFECT_KEYS) | APPLIED_KEYS
-    unknown = sorted(set(kwargs) - known)
+    unknown = sorted(set(kwargs) - _known_keys())
     if unknown:
         raise TypeError(f"spec_generate() got unexpected keyword argument(s) {unknown}: not GenerationConfig "
                         "fields nor spec_generate arguments")
