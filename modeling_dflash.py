@@ -205,12 +205,12 @@ def apply_rotary_pos_emb(q, k, cos, sin):
 _SDPA_TAKES_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
-def sdpa_groups_keys(q: torch.Tensor, mask) -> bool:
-    """Whether sdpa attends over the un-repeated kv heads (``enable_gqa``, torch >= 2.5): on CPU with any mask,
-    elsewhere only without one (CUDA's masked kernels would fall back to the math path; transformers'
-    ``use_gqa_in_sdpa`` draws the same line). On CPU bit-identical to ``repeat_kv`` + sdpa, without copying
-    every cached key and value ``num_kv_groups`` times per layer and step (z-lab's draft skips it too)."""
-    return _SDPA_TAKES_GQA and (mask is None or q.device.type == "cpu")
+def sdpa_groups_keys(q: torch.Tensor) -> bool:
+    """Whether sdpa attends over the un-repeated kv heads (``enable_gqa``, torch >= 2.5): on CPU, with or without
+    a mask, where it is bit-identical to ``repeat_kv`` + sdpa and skips copying every cached key and value
+    ``num_kv_groups`` times per layer and step (z-lab's draft skips it too). Other devices keep ``repeat_kv``:
+    CUDA's fp32 and masked kernels would fall back to the math path with grouped heads."""
+    return _SDPA_TAKES_GQA and q.device.type == "cpu"
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -316,7 +316,7 @@ class DFlashAttention(nn.Module):
                 causal=self.is_causal, window_size=(left, 0 if self.is_causal else left),
             )
             return out.transpose(1, 2)
-        if impl != "eager" and self.num_kv_groups > 1 and sdpa_groups_keys(q, mask):
+        if impl != "eager" and self.num_kv_groups > 1 and sdpa_groups_keys(q):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         k, v = repeat_kv(k, self.num_kv_groups), repeat_kv(v, self.num_kv_groups)
         if impl == "eager":
