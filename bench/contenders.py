@@ -35,9 +35,10 @@ class Contender:
 
 
 def sampling_kwargs(sampling: dict) -> dict:
-    """Decoding kwargs shared by ``generate`` and ``spec_generate``: greedy (``{}``) or sampled
-    (``{"temperature": T, "top_k": k}``) with top-k ``k`` (0 or absent: none) and no top-p, so every
-    contender samples from the same distribution."""
+    """Decoding kwargs shared by ``generate`` and ``spec_generate`` for the bench's ``sampling`` dict: greedy
+    (``{"do_sample": False}``) when its ``temperature`` is 0 or absent, else sampled at that temperature with
+    top-k ``sampling["top_k"]`` (0 or absent: none) and no top-p, so every contender samples from the same
+    distribution."""
     if sampling.get("temperature"):
         return {"do_sample": True, "temperature": sampling["temperature"], "top_k": sampling.get("top_k") or 0,
                 "top_p": 1.0}
