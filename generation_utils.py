@@ -163,11 +163,16 @@ def spec_generate(
         block_size: per-call block size, an integer in ``[1, draft.config.block_size]``.
         attention_mask: ``(B, prompt_len)`` 0/1, left padding only.
         generation_config: a ``GenerationConfig`` merged with ``target.generation_config`` as generate does.
-        logits_processor: extra processors, as in generate. They and ``prefix_allowed_tokens_fn`` may keep
-            state (xgrammar's pattern): drafted slots are scored by per-step copies (``copy.deepcopy``),
-            the caller's instance is called on committed tokens only, once per token and in order, with
-            the whole ``(B, L)`` batch, each row's own prefix at its own index; rows of a batch then
-            commit in lockstep (``user_processors.py``). A processor ``deepcopy`` cannot copy: ValueError.
+        logits_processor: extra processors, as in generate. They may keep state (xgrammar's pattern):
+            drafted slots are scored by per-step copies (``copy.deepcopy``), the caller's instance is called
+            on committed tokens only, once per token and in order, with the whole ``(B, L)`` batch, each
+            row's own prefix at its own index; rows of a batch then commit in lockstep
+            (``user_processors.py``). A caller's subclass of a transformers processor counts as the caller's.
+            A processor ``deepcopy`` cannot copy: ValueError.
+        prefix_allowed_tokens_fn: as in generate. It is also called on drafted prefixes that may be
+            rejected, and ``deepcopy`` copies a function by reference (a closure's state is shared, not
+            isolated), so it must be a pure function of ``(batch_id, input_ids)``; generate assumes the same
+            (beam search calls it on hypotheses it drops). Keep state in a processor object instead.
         stopping_criteria: extra criteria, as in generate, called once per committed token in order
             with that row's ``(1, L)`` prefix and ``scores=None`` (answering a bool, a bool tensor or a
             list); a row stops right after the first token at which one fires. Without an eos

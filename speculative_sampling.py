@@ -13,10 +13,10 @@ from transformers.generation import logits_process as _lp
 
 try:
     from .dflash2 import selector_walk
-    from .user_processors import lockstep, process_rows, replay, step_copies
+    from .user_processors import is_user_processor, lockstep, process_rows, replay, step_copies
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from dflash2 import selector_walk
-    from user_processors import lockstep, process_rows, replay, step_copies
+    from user_processors import is_user_processor, lockstep, process_rows, replay, step_copies
 
 
 # Processors that act on each row's scores alone, whatever came before: applied in one batched call.
@@ -26,6 +26,18 @@ _PREFIX_FREE = tuple(getattr(_lp, name) for name in (
     "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper", "SuppressTokensLogitsProcessor",
     "LogitNormalization", "InfNanRemoveLogitsProcessor",
 ) if hasattr(_lp, name))
+
+
+def prefix_free(processor) -> bool:
+    """Whether ``processor`` acts on each row's scores alone: an instance of a ``_PREFIX_FREE`` class that is
+    transformers' own. A caller's subclass (``class MyTopK(TopKLogitsWarper)``) may read ``input_ids`` or keep
+    state, so it is the caller's processor (``user_processors.is_user_processor``): it sees each prefix and is
+    isolated by copies. One rule for both questions: before it, such a subclass counted as prefix-free here and
+    as the caller's there, and the loop built no history for the caller's path (AttributeError at the first step).
+    """
+    return isinstance(processor, _PREFIX_FREE) and not is_user_processor(processor)
+
+
 # Warpers reshape the target's distribution only when a DFlash 2 drafter walks its candidates (the walk
 # draws from softmax(score / T) over its top-k, as z-lab ``dflash_generate`` does); processors act on both.
 _WARPERS = tuple(getattr(_lp, name) for name in (
@@ -152,7 +164,7 @@ class _Sampling:
 
     @property
     def needs_prefix(self) -> bool:
-        return any(not isinstance(p, _PREFIX_FREE) for p in self.procs)
+        return not all(prefix_free(p) for p in self.procs)
 
     def processed(self, logits: torch.Tensor) -> torch.Tensor:
         """Prefix-free path: ``(B, n, V)`` logits -> processed fp32 scores, one batched call."""
@@ -221,7 +233,7 @@ class _Sampling:
         """
         procs = LogitsProcessorList(p for p in self._step_procs() if not isinstance(p, _WARPERS))  # user ones: copies
         logits, process = draft_logits.to(slot_hidden.device), None
-        if any(not isinstance(p, _PREFIX_FREE) for p in procs):
+        if not all(prefix_free(p) for p in procs):
 
             def process(slot, drafted, scores):  # (A, V) scores of `slot`, `drafted` (A, slot) walked so far
                 return self._at(procs, rows, drafted, scores)

@@ -42,8 +42,14 @@ class _Taps:
         self.handles = [m.register_forward_hook(self._hook(k)) for k, m in enumerate(modules)]
         self.handles.append(target.register_forward_pre_hook(self._record_shape, with_kwargs=True))
 
-    def _record_shape(self, module, args, kwargs):
-        """(batch, length) of the forward's input, for the tap check (``target_families.check_tap``)."""
+    def _record_shape(self, module, args, kwargs=None):
+        """(batch, length) of the forward's input, for the tap check (``target_families.check_tap``).
+
+        ``kwargs`` has a default: ``register_forward_pre_hook(..., with_kwargs=True)`` fills its hook table and
+        its with-kwargs set in two statements, so a forward of another thread that starts between them calls
+        the hook as a plain pre-hook, without ``kwargs`` (the TypeError round 3 saw on the hybrid recording
+        hook, ``target_cache._record_mixer_input``, under threads)."""
+        kwargs = kwargs or {}
         for store in self.by_thread.get(threading.get_ident(), ()):
             ids = kwargs.get("input_ids", args[0] if args else None)
             ids = kwargs.get("inputs_embeds") if ids is None else ids

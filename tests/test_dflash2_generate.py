@@ -541,3 +541,27 @@ def test_stateful_user_processor_drafts_through_copies_in_the_walk(monkeypatch):
     assert torch.equal(out, ref)
     assert all(_follows_grammar(out[r, ids.shape[1]:].tolist(), r) for r in range(2))
     assert walks[1] > 0, "the selector walk never ran"
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled_top1"])
+def test_subclassed_transformers_processors_run_through_the_walk(monkeypatch, do_sample):
+    """Issue 34, item 7, DFlash 2: a caller's subclasses of prefix-free processors (``test_user_calls``) run
+    through the walk like generate, ragged batch; sampled with a top-1 subclass the output is deterministic and
+    equals generate's. Planted bug caught: prefix-free decided by ``isinstance`` alone raises AttributeError."""
+    from transformers import LogitsProcessorList
+    from test_user_calls import MySuppress, MyTopK
+
+    target, draft = tiny_target(peaked=True), dflash2_draft()
+    walks = watch_walks(monkeypatch)
+    ids, mask = left_pad([PROMPTS[3], PROMPTS[11]])
+    sample = dict(do_sample=True, top_k=None) if do_sample else dict(do_sample=False)
+
+    def procs():
+        return LogitsProcessorList([MySuppress([5, 17, 42]), MyTopK(1)])
+
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, logits_processor=procs(),
+                          **sample)
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0,
+                              logits_processor=procs(), generator=torch.Generator().manual_seed(0), **sample)
+    assert torch.equal(out, ref)
+    assert walks[1] > 0, "the selector walk never ran"

@@ -363,3 +363,52 @@ def test_demo_reports_bf16_differences_and_exits_0(capsys):
     assert "FAIL" in capsys.readouterr().out
     assert demo.report_differences([], "float32", str) == 0
 
+
+
+# ----------------------------------------------------------------------------- subclasses of transformers' processors
+
+
+class MyTopK(transformers.TopKLogitsWarper):
+    """A caller's subclass of a prefix-free warper (issue 34, item 7): it inherits ``__call__``."""
+
+
+class MySuppress(transformers.SuppressTokensLogitsProcessor):
+    """A caller's subclass that overrides ``__call__`` (and could read the prefix)."""
+
+    def __call__(self, input_ids, scores):
+        return super().__call__(input_ids, scores)
+
+
+class MyTemperature(transformers.TemperatureLogitsWarper):
+    pass
+
+
+def _subclassed(kind):
+    if kind == "top_k":
+        return [MyTopK(1)]
+    if kind == "suppress":
+        return [MySuppress([int(t) for t in range(0, VOCAB, 3)])]
+    return [MyTemperature(0.5), MyTopK(1)]
+
+
+@pytest.mark.parametrize("kind", ["top_k", "suppress", "temperature"])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_subclasses_of_prefix_free_processors_run_like_generate(oracle, kind, do_sample):
+    """A subclass of a prefix-free transformers processor is the caller's processor (copied per step, prefix
+    built). With a top-1 warper or greedy the output is deterministic, so it equals generate's in a ragged batch
+    (with suppression and sampling: the suppressed tokens never appear). Planted bug caught: deciding prefix-free
+    by ``isinstance`` alone (the code before issue 34) raises 'NoneType' object has no attribute 'prompt_len'."""
+    ids, mask = _left_pad(PROMPTS)
+    procs = _subclassed(kind)
+    sample = dict(do_sample=True, top_k=None, temperature=1.0) if do_sample else dict(do_sample=False)
+    ref = TARGET.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0,
+                          logits_processor=LogitsProcessorList(procs), **sample)
+    if not (do_sample and kind == "suppress"):
+        oracle(mask, ref, [3, 1, 5])
+    out = DRAFT.spec_generate(TARGET, ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0,
+                              logits_processor=LogitsProcessorList(_subclassed(kind)),
+                              generator=torch.Generator().manual_seed(0), **sample)
+    if do_sample and kind == "suppress":
+        assert not any(t % 3 == 0 for t in out[:, ids.shape[1]:].flatten().tolist())
+    else:
+        assert torch.equal(out, ref)
