@@ -18,14 +18,12 @@ try:
     from .speculative_sampling import _History
     from .stopping_criteria import _Scores, _Stops
     from .target_cache import recording
-    from .target_families import FAMILY as _families
     from .target_taps import run_target
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from generation_output import DFlashGenerateOutput
     from speculative_sampling import _History
     from stopping_criteria import _Scores, _Stops
     from target_cache import recording
-    from target_families import FAMILY as _families
     from target_taps import run_target
 
 
@@ -195,14 +193,16 @@ def _prefill_commit(run, first, scores, logits):
     return done
 
 
-def _forward_target(target, cache_kw, cache, tokens, positions, valid, windows, tokens_valid=None, record=True,
-                    rope=None, **extra):
+def _forward_target(target, facts, cache, tokens, positions, valid, tokens_valid=None, record=True, rope=None,
+                    **extra):
     """Target logits ``(A, n, V)`` for ``tokens`` at ``positions``, over cache slots marked ``valid``
     (None: every slot is valid, no mask built; given: the caller knows some slot or token is masked, so
     the mask is built without checking it on the device, which would be a host synchronisation).
     ``rope``: the target's own position ids of the tokens where they differ from the 1-D ``positions``
     (vision-language targets, ``target_families.VisionPrompt``); ``extra`` may hold the prefill's own
     ``attention_mask``.
+
+    ``facts``: the call's ``target_facts.TargetFacts`` (cache keyword, windows, mask dtype).
 
     Slots a row does not own are masked; on sliding-window targets the mask also counts each
     window in true positions (``target_families.target_mask``), so holes never shift it. Hybrid
@@ -211,11 +211,11 @@ def _forward_target(target, cache_kw, cache, tokens, positions, valid, windows, 
     mask = None
     if valid is not None:
         tokens_valid = torch.ones_like(tokens) if tokens_valid is None else tokens_valid
-        mask = _families.target_mask(target, windows, tokens_valid, positions, valid, known_masked=True)
+        mask = facts.mask(tokens_valid, positions, valid)
     extra.setdefault("attention_mask", mask)
     with recording(cache) if record else contextlib.nullcontext():  # hybrid: snapshot + mixer inputs
         return run_target(target, input_ids=tokens, position_ids=positions if rope is None else rope, use_cache=True,
-                          **extra, **{cache_kw: cache}).logits  # run_target: taps of a compiled target
+                          **extra, **{facts.cache_kw: cache}).logits  # run_target: taps of a compiled target
 
 
 def next_block_size(block_size: int, longest: int, adaptive: bool) -> int:

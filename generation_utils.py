@@ -17,6 +17,7 @@ hands them to our loop), so ``spec_generate`` decides exactly what ``generate`` 
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,8 +28,9 @@ from transformers.utils import logging
 # Every name of this module's `__all__` before the split stays importable from here.
 try:
     from .cache_reuse import Resume, check_passed_cache, pop_passed_cache
-    from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
+    from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
     from .decode_step import _prefill_commit, _sync, crop_cache, next_block_size
+    from .proposers import BlockProposer, Proposal, proposer_for
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
     from .generation_arguments import _call_options, check_draft_window, check_vocab
     from .generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
@@ -39,13 +41,15 @@ try:
     from .static_generate import log_fallback, static_decode, static_unsupported_reason
     from .stopping_criteria import _Scores, _Stops
     from .target_cache import restore_linear_states
+    from .target_facts import TargetFacts
     from .target_families import FAMILY as _families
     from .target_taps import capture_target_features
     from .user_processors import check_copyable
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import Resume, check_passed_cache, pop_passed_cache
-    from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
+    from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
     from decode_step import _prefill_commit, _sync, crop_cache, next_block_size
+    from proposers import BlockProposer, Proposal, proposer_for
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
     from generation_arguments import _call_options, check_draft_window, check_vocab
     from generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
@@ -56,6 +60,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from static_generate import log_fallback, static_decode, static_unsupported_reason
     from stopping_criteria import _Scores, _Stops
     from target_cache import restore_linear_states
+    from target_facts import TargetFacts
     from target_families import FAMILY as _families
     from target_taps import capture_target_features
     from user_processors import check_copyable
@@ -272,7 +277,7 @@ def spec_generate(
             M-RoPE target without ``get_rope_index`` (``target_families.vision_prompt``).
     """
     _check_is_causal_lm(target)
-    _families.check_family(target)
+    facts = TargetFacts.read(target, draft)  # what the loop needs to know about the target, read once
     vocab = target.get_input_embeddings().weight.shape[0]
     check_vocab(draft.config.vocab_size, vocab)
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask, vocab)
@@ -289,7 +294,7 @@ def spec_generate(
                   output_scores=output_scores, output_logits=output_logits)
     passed_cache = pop_passed_cache(kwargs)  # cache= / past_key_values=: continue from it (cache_reuse.py)
     call_options = _call_options(kwargs, target)  # synced_gpus, use_model_defaults (generate's own parameters)
-    model_inputs = _families.pop_model_inputs(target, _forward_params(target), kwargs)  # pixel_values, ...
+    model_inputs = _families.pop_model_inputs(target, facts.forward_params, kwargs)  # pixel_values, ...
     static = _static_request(kwargs, generation_config, target)  # before generate is told cache_implementation=None
     gen_kwargs = _generate_kwargs(passed, kwargs, stop_token_ids, generation_config, target)
     if generation_config is not None:
@@ -307,7 +312,7 @@ def spec_generate(
                           mask_token_id=mask_token_id, generator=generator, sample_draft=sample_draft,
                           streamer=streamer, output_timings=output_timings, static=static,
                           adaptive=adaptive_block_size, inference_mode=inference_mode, passed_cache=passed_cache,
-                          vision=vision, draft_window=draft_window)
+                          vision=vision, draft_window=draft_window, facts=facts)
 
     if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
         if streamer is not None:
@@ -326,21 +331,21 @@ def spec_generate(
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
                generator, sample_draft, streamer, output_timings, static=None, adaptive=False, inference_mode=True,
-               passed_cache=None, vision=None, draft_window=None):
+               passed_cache=None, vision=None, draft_window=None, facts=None):
     """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``.
-    ``vision``: the call's multimodal prompt (``target_families.VisionPrompt``), or None."""
+    ``vision``: the call's multimodal prompt (``target_families.VisionPrompt``), or None. ``facts``: the
+    target's ``TargetFacts``, completed here with the prompt's (execution device, longrope switch crossed)."""
     _check_refused(config)
     bsz = input_ids.shape[0]
     if bsz > 1 and streamer is not None:
         raise ValueError(f"streamer supports batch size 1, got batch {bsz}")
-    device = _families.execution_device(target, input_ids)
-    input_ids = input_ids.to(device)
-    mask = torch.ones_like(input_ids) if mask is None else mask.to(device=device, dtype=torch.long)
+    mask = torch.ones_like(input_ids) if mask is None else mask.to(device=input_ids.device, dtype=torch.long)
     check_passed_cache(passed_cache, input_ids, mask, target, static)
     stops = _Stops(criteria, input_ids.shape[1], bsz)
     budget = stops.budget if stops.budget is not None else 1 << 40
-    rope_switch = _families.check_rope(target, int(mask.sum(1).max()), budget, bsz, not bool(mask.all()))
-    _check_vision(vision, static, passed_cache, rope_switch)
+    facts = facts.for_call(target, input_ids, mask, budget)  # the prompt's facts: device, longrope switch
+    input_ids, mask = input_ids.to(facts.device), mask.to(facts.device)
+    _check_vision(vision, static, passed_cache, facts.crossing)
     want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
     return_dict = bool(config.return_dict_in_generate)
     processors = processors if processors is not None else LogitsProcessorList()
@@ -358,15 +363,15 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     recorder = _Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
                recorder=recorder)
-    static_decode = _static_loop(static, target, input_ids, mask, run, rope_switch, block_size, adaptive, draft)
+    static_decode = _static_loop(static, target, input_ids, mask, run, facts, block_size, adaptive, draft)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py
             static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run,
-                          draft_window=draft_window)
+                          draft_window=draft_window, facts=facts)
         else:
-            with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
+            with capture_target_features(target, draft.config.target_layer_ids, facts.draft_device) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
-                        run, adaptive, rope_switch, passed_cache, vision, draft_window)
+                        run, facts, adaptive, passed_cache, vision, draft_window)
     stops.trim(run.chunks)  # no eos criterion: rows end where the batch's last row stopped
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
@@ -441,24 +446,25 @@ def _log_dynamic(impl, where, reason):
     logger.info(f"cache_implementation={impl!r} (from {where}) runs spec_generate's dynamic loop: {reason}")
 
 
-def _static_loop(static, target, input_ids, mask, run, rope_switch=None, block_size=1, adaptive=False, draft=None):
+def _static_loop(static, target, input_ids, mask, run, facts, block_size=1, adaptive=False, draft=None):
     """``static_generate.static_decode`` (``compile_config`` bound) when the static loop was asked for
     and applies to this call, else None: the dynamic loop, with one info log saying why (also for a
-    call crossing a longrope switch, ``rope_switch`` from ``target_families.check_rope``: only the
+    call crossing a longrope switch, ``facts.crossing`` from ``target_families.check_rope``: only the
     dynamic loop re-prefills there; for a call whose full blocks would pass a RoPE switch:
-    ``target_families.static_rope_reason``; for ``adaptive_block_size``, which only the dynamic
-    loop does; and for a DFlash 2 ``draft``, whose selector walk is not in the fixed-shape loop)."""
+    ``target_families.rope_reach_reason``; for ``adaptive_block_size``, which only the dynamic
+    loop does; and for a drafter whose proposer the fixed-shape loop does not run (``static_loop``
+    False: a DFlash 2 selector walk))."""
     if static is None:
         return None
     reason = static_unsupported_reason(target, input_ids, mask)
     if reason is None and (run.history is not None or run.recorder is not None):
         reason = "prefix-dependent processors, custom stopping criteria and output_scores/logits are dynamic-only"
-    if reason is None and getattr(draft, "candidate_selector", None) is not None:
+    if reason is None and not proposer_for(draft).static_loop:
         reason = "a DFlash 2 drafter's candidate-selector walk is dynamic-only"
-    if reason is None and rope_switch is not None:
-        reason = f"crossing the longrope switch (sequence length {rope_switch + 1}) re-prefills, which is dynamic-only"
+    if reason is None and facts.crossing is not None:
+        reason = f"crossing the longrope switch (sequence length {facts.crossing + 1}) re-prefills, which is dynamic-only"
     if reason is None:  # a full last block past a RoPE switch generate never reaches
-        reason = _families.static_rope_reason(target, input_ids.shape[1], run.stops.budget or 1 << 40, block_size)
+        reason = _families.rope_reach_reason(facts.rope, input_ids.shape[1], run.stops.budget or 1 << 40, block_size)
     if reason is None and adaptive:
         reason = "adaptive_block_size=True changes the block size every step; the fixed-shape loop verifies one size"
     if reason is not None:
@@ -470,44 +476,105 @@ def _static_loop(static, target, input_ids, mask, run, rope_switch=None, block_s
     return functools.partial(static_decode, compile_config=static[1])
 
 
-def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id,
-                  slot_states=False, draft_window=None):
-    """One draft pass over ``[anchor, MASK x (b-1)]`` at positions ``start..start+b-1`` per row.
+@dataclass
+class _Loop:
+    """What every step of one call's dynamic loop reads, set once per call (the loop keeps no other state
+    besides the rows): the target and its facts, the caches, the proposer, the taps, the run record."""
 
-    Args:
-        anchor: ``(B, 1)`` last committed token of each row; ``start`` ``(B,)`` its position.
-        ctx: ``_Context`` with the features ``(B, C, F)`` of positions before the anchor that are not
-            yet in ``draft_cache``, their positions ``(B, C)`` and validity ``(B, C)``.
-        draft_valid: ``(B, cache_len)`` validity of the cached slots, or None when all are valid.
-        draft_window: ``spec_generate``'s, handed to the draft's forward (None: the whole context).
+    target: torch.nn.Module
+    facts: TargetFacts
+    sampling: _Sampling
+    proposer: BlockProposer  # one of proposers.py's kinds, chosen once (proposers.proposer_for)
+    resume: Resume  # the caches and the cached length (cache_reuse.Resume)
+    features: object  # capture_target_features' get(): the last forward's taps (B, T, F)
+    run: _Run
+    vision: object  # target_families.VisionPrompt or None
+    offsets: torch.Tensor  # (block_size,) slot offsets, built once
 
-    Returns draft logits ``(B, b-1, V)`` for slots 1..b-1; with ``slot_states`` (a DFlash 2 drafter, whose
-    candidate selector also reads the slots' states) ``(logits, slot_hidden (B, b-1, H))``
-    (``DFlash2DraftModel.selector_inputs``). ``draft_cache`` keeps context K/V only.
-    """
-    bsz = anchor.shape[0]
-    noise = torch.cat([anchor, anchor.new_full((bsz, b - 1), mask_token_id)], dim=1)
-    block_pos = start[:, None] + torch.arange(b, device=anchor.device)
-    key_valid = None
-    if draft_valid is not None or ctx.valid is not None:  # only with holes (ctx.valid is None without)
-        cached = draft_valid if draft_valid is not None else ctx.valid.new_ones(bsz, draft_cache.get_seq_length())
-        ctx_valid = ctx.valid if ctx.valid is not None else cached.new_ones(ctx.positions.shape)
-        key_valid = torch.cat([cached, ctx_valid, cached.new_ones(bsz, b)], dim=1)
-    kept = draft_cache.get_seq_length() + ctx.features.shape[1]
-    noise_embedding = _families.draft_block_embedding(draft.config, embed, noise)
-    hidden = draft(position_ids=torch.cat([ctx.positions, block_pos], dim=1), noise_embedding=noise_embedding,
-                   target_hidden=ctx.features, past_key_values=draft_cache, use_cache=True, attention_mask=key_valid,
-                   **({} if draft_window is None else {"draft_window": draft_window}))
-    crop_cache(draft_cache, kept)  # block K/V are thrown away
-    if slot_states:
-        slot_hidden, logits = draft.selector_inputs(hidden, head)
-        return logits, slot_hidden
-    return _families.draft_logits(draft.config, head, hidden[:, 1:])
+    @property
+    def caches(self) -> tuple:
+        return self.resume.target_cache, self.resume.draft_cache
+
+    def forward(self, tokens, positions, valid, **extra):
+        """The target's logits ``(A, n, V)`` for ``tokens`` at ``positions`` over the call's target cache."""
+        return _forward_target(self.target, self.facts, self.resume.target_cache, tokens, positions, valid, **extra)
 
 
-def _longrope_step(switch, input_ids, target, cache_kw, target_cache, draft_cache, windows, features, b, rows, run):
-    """Block size of this step on a longrope target whose call crosses ``switch`` (batch 1, no padding;
-    ``target_families.check_rope``), doing what Phi-3's ``generate`` does at the switch.
+def _prefill(loop, input_ids, prompt_mask):
+    """The prefill forward and its commit: ``(rows, finished (B,))``; each row's first token is its first anchor.
+    With a passed cache only its uncached tokens run (``cache_reuse.Resume``); a multimodal prompt runs the
+    model's own prefill (its inputs and positions, generate's 2-D mask)."""
+    n, bsz, vision = loop.resume.cached, input_ids.shape[0], loop.vision
+    padded = not bool(prompt_mask.all())  # the call's only host check of a mask; masked slots are tracked on the host
+    holes = bsz > 1 or padded
+    positions = (prompt_mask.cumsum(1) - 1).clamp_min(0)  # true positions under left padding
+    if vision is None:
+        logits = loop.forward(input_ids[:, n:], positions[:, n:], prompt_mask[:, :0] if padded else None,
+                              tokens_valid=prompt_mask, record=False, **loop.facts.prefill)
+    else:
+        logits = loop.forward(input_ids, positions, None, record=False, rope=vision.prefill_positions,
+                              attention_mask=prompt_mask, **loop.facts.prefill, **vision.inputs)
+    first, scores = loop.sampling.first(logits[:, -1], input_ids)
+    loop.run.out.num_target_forwards, loop.run.out.num_draft_forwards = 1, 0
+    device = input_ids.device
+    ctx = loop.resume.context(_Context(loop.features(), positions[:, n:], prompt_mask if padded else None))
+    rows = _Rows(ids=torch.arange(bsz, device=device), anchor=first[:, None], start=prompt_mask.sum(1),
+                 n_new=torch.ones(bsz, dtype=torch.long, device=device), target_valid=prompt_mask if holes else None,
+                 draft_valid=None, ctx=ctx, host_ids=list(range(bsz)), host_new=[1] * bsz, holes=holes, masked=padded)
+    return rows, _prefill_commit(loop.run, first, scores, logits[:, -1])
+
+
+def _block_size(loop, rows, next_b: int, input_ids) -> int:
+    """This step's block: ``next_b`` cut to the budget (``target_families.verify_budget``), and on a longrope
+    target crossing its switch clamped below it / re-prefilled at it (``_longrope_step``)."""
+    b = min(next_b, _families.verify_budget(rows.host_new, loop.run.stops.budget, loop.facts.rope_bounded))
+    if loop.facts.crossing:
+        b = _longrope_step(loop, input_ids, b, rows)
+    return b
+
+
+def _propose(loop, rows, b: int) -> Proposal:
+    """The step's proposal: ``b - 1`` drafted nodes after each anchor (none for a block of 1)."""
+    positions = rows.start[:, None] + loop.offsets[:b]  # (A, b)
+    if b == 1:
+        return Proposal.anchor_only(rows.anchor, positions)
+    return loop.proposer.propose(rows, b, positions)
+
+
+def _verify_forward(loop, rows, proposal: Proposal):
+    """The target's logits ``(A, n + 1, V)`` over ``[anchor, proposal's nodes]``, masking the slots a row does
+    not own once some slot is masked; a multimodal target takes its own positions (``VisionPrompt.rope``)."""
+    block = torch.cat([rows.anchor, proposal.tokens], dim=1)  # (A, n + 1)
+    positions = proposal.positions
+    rope = None if loop.vision is None else loop.vision.rope(positions, rows.ids)
+    return loop.forward(block, positions, rows.target_valid if rows.masked else None, rope=rope)
+
+
+def _keep_committed(loop, rows, b: int, committed, counts: list, positions, next_token) -> None:
+    """Roll back after a verify of ``b`` slots: both caches keep each row's ``committed`` ``(A,)`` slots (anchor
+    + accepted drafts; hybrid targets replay each row's prefix), rejected ones become holes (masked) for rows
+    that committed fewer than the widest; the committed slots' taps become draft context; ``next_token``
+    ``(A,)`` is each row's new anchor."""
+    target_cache = loop.resume.target_cache
+    width = max(counts)
+    crop_cache(target_cache, target_cache.get_seq_length() - b + width)
+    restore_linear_states(target_cache, committed)  # hybrid targets: replay each row's committed prefix
+    owned = None
+    if rows.holes:
+        owned = (loop.offsets[None, :width] < committed[:, None]).long()  # (A, width)
+        rows.target_valid = torch.cat([rows.target_valid, owned], dim=1)
+        if min(counts) < width:  # a row committed fewer slots than the widest: holes from here on
+            rows.masked = True
+        else:
+            owned = None  # every new slot is valid: no mask for this context
+    rows.add_context(_Context(loop.features()[:, :width], positions[:, :width], owned))
+    rows.start, rows.n_new, rows.anchor = rows.start + committed, rows.n_new + committed, next_token[:, None]
+    rows.host_new = [n + c for n, c in zip(rows.host_new, counts)]
+
+
+def _longrope_step(loop, input_ids, b: int, rows) -> int:
+    """Block size of this step on a longrope target whose call crosses ``loop.facts.crossing`` (batch 1, no
+    padding; ``target_families.check_rope``), doing what Phi-3's ``generate`` does at the switch.
 
     Below it, the block is clamped (``target_families.longrope_block_limit``) so that no verify runs
     short-factor positions with long factors. At committed length ``switch + 1`` (reached exactly, by
@@ -520,18 +587,19 @@ def _longrope_step(switch, input_ids, target, cache_kw, target_cache, draft_cach
     Returns the block size ``b`` to verify with. Source: issue "Dynamic-RoPE targets" (silent
     divergence past the switch).
     """
+    switch, run = loop.facts.crossing, loop.run
     committed = input_ids.shape[1] + rows.host_new[0]
     if committed != switch + 1:
         return _families.longrope_block_limit(switch, committed, b)
     tokens = torch.tensor([[t for chunk in run.chunks[0] for t in chunk]], device=input_ids.device)
     tokens = torch.cat([input_ids, tokens], dim=1)  # (1, committed)
     positions = torch.arange(committed, device=input_ids.device)[None]  # (1, committed)
+    target_cache, draft_cache = loop.caches
     crop_cache(target_cache, 0)
     crop_cache(draft_cache, 0)
-    _forward_target(target, cache_kw, target_cache, tokens, positions, None, windows, record=False,
-                    **_families.prefill_kwargs(target, _forward_params(target)))
+    loop.forward(tokens, positions, None, record=False, **loop.facts.prefill)
     crop_cache(target_cache, committed - 1)  # the anchor is verified by this step's block, as always
-    rows.ctx, rows.draft_valid = _Context(features()[:, :-1], positions[:, :-1], None), None
+    rows.ctx, rows.draft_valid = _Context(loop.features()[:, :-1], positions[:, :-1], None), None
     run.out.num_target_forwards += 1
     return b
 
@@ -548,104 +616,49 @@ def _drop_finished(rows, done: list, caches, device) -> bool:
 
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
-            run, adaptive=False, rope_switch=None, passed_cache=None, vision=None,
-            draft_window=None):
-    """The speculative loop; fills ``run.out`` / ``run.chunks`` in place. ``rope_switch``: the longrope
-    switch this call crosses (``target_families.check_rope``), else None. ``passed_cache``: a target cache
-    holding the first tokens of ``input_ids`` (batch 1), continued in place (``cache_reuse.Resume``).
-    ``vision``: a multimodal prompt (``target_families.VisionPrompt``): its inputs, the target's positions
-    and generate's 2-D mask go to the prefill, and every verify forward takes the target's positions
-    (``vision.rope``); the draft keeps 1-D positions and the features of every position. ``draft_window``: see
-    ``spec_generate``."""
-    device, bsz, out = input_ids.device, input_ids.shape[0], run.out
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    selector = getattr(draft, "candidate_selector", None)  # DFlash 2: drafts by its candidate-selector walk
-    cache_kw = _cache_kwarg(target)
-    resume = Resume(target, draft, passed_cache, bsz, rope_switch)  # the caches; the cached length n
-    target_cache, draft_cache, n, draft = resume.target_cache, resume.draft_cache, resume.cached, resume.draft(draft)
-    budget = run.stops.budget
+            run, facts, adaptive=False, passed_cache=None, vision=None, draft_window=None):
+    """The speculative loop; fills ``run.out`` / ``run.chunks`` in place. One verify step after another: the
+    block size, the drafter's proposal (whatever its kind: ``proposers.py``), the target's verify forward,
+    the acceptance rule, the commit, the roll-back. ``facts``: the call's ``TargetFacts``.
+    ``passed_cache``: a target cache holding the first tokens of ``input_ids`` (batch 1), continued in place
+    (``cache_reuse.Resume``). ``vision``: a multimodal prompt (``target_families.VisionPrompt``): its inputs,
+    the target's positions and generate's 2-D mask go to the prefill, and every verify forward takes the
+    target's positions (``vision.rope``); the draft keeps 1-D positions and the features of every position.
+    ``draft_window``: see ``spec_generate``."""
+    device, out = input_ids.device, run.out
+    resume = Resume(target, draft, passed_cache, input_ids.shape[0], facts.crossing)  # the caches; cached length
+    proposer = proposer_for(draft)(resume.draft(draft), facts, resume.draft_cache, sampling, mask_token_id,
+                                   draft_window)
+    loop = _Loop(target, facts, sampling, proposer, resume, features, run, vision,
+                 offsets=torch.arange(block_size, device=device))
     t0 = _sync(device) if output_timings else None
-
-    # Prefill: each row's first token becomes its first anchor.
-    padded = not bool(prompt_mask.all())  # the call's only host check of a mask; masked slots are tracked on the host
-    holes = bsz > 1 or padded
-    positions = (prompt_mask.cumsum(1) - 1).clamp_min(0)  # true positions under left padding
-    windows = _families.layer_windows(target)
-    extra = _families.prefill_kwargs(target, _forward_params(target))
-    if vision is None:
-        logits = _forward_target(target, cache_kw, target_cache, input_ids[:, n:], positions[:, n:],
-                                 prompt_mask[:, :0] if padded else None, windows, prompt_mask, record=False, **extra)
-    else:  # the model's own prefill: its multimodal inputs and positions, generate's 2-D mask
-        logits = _forward_target(target, cache_kw, target_cache, input_ids, positions, None, windows, record=False,
-                                 rope=vision.prefill_positions, attention_mask=prompt_mask, **extra, **vision.inputs)
-    first, scores = sampling.first(logits[:, -1], input_ids)
-    out.num_target_forwards, out.num_draft_forwards = 1, 0
-    verifies = drafts_run = 0  # forwards counted on the host, added to `out` (a ModelOutput: slow setattr) at the end
-    rows = _Rows(ids=torch.arange(bsz, device=device), anchor=first[:, None], start=prompt_mask.sum(1),
-                 n_new=torch.ones(bsz, dtype=torch.long, device=device), target_valid=prompt_mask if holes else None,
-                 draft_valid=None, ctx=resume.context(_Context(features(), positions[:, n:], prompt_mask if padded else None)),
-                 host_ids=list(range(bsz)), host_new=[1] * bsz, holes=holes, masked=padded)
-    finished = _prefill_commit(run, first, scores, logits[:, -1])
+    rows, finished = _prefill(loop, input_ids, prompt_mask)
     t1 = _sync(device) if output_timings else None
-    offsets = torch.arange(block_size, device=device)  # (block_size,) slot offsets, built once
-    next_b = block_size
-    rope_bounded = _families.rope_switch(target) is not None  # blocks sized from the fastest row (verify_budget)
-    longrope = rope_switch and functools.partial(_longrope_step, rope_switch, input_ids, target, cache_kw, target_cache,
-                                                 draft_cache, windows, features)
+    next_b, verifies, drafts_run = block_size, 0, 0  # forwards counted on the host (`out` is a ModelOutput)
 
-    while not any(finished) or _drop_finished(rows, finished, (target_cache, draft_cache), device):
-        b = min(next_b, _families.verify_budget(rows.host_new, budget, rope_bounded))
-        if longrope:  # a longrope target crossing its switch: clamp below it, re-prefill at it
-            b = longrope(b, rows, run)
-        positions = rows.start[:, None] + offsets[:b]  # (A, b)
-        block, q = rows.anchor, None
-        if b > 1:
-            walk = {"slot_states": True} if selector is not None else {}  # DFlash 1 calls stay as they were
-            window = {} if draft_window is None else {"draft_window": draft_window}
-            drafted = _draft_logits(draft, embed, head, rows.anchor, rows.ctx, draft_cache, rows.draft_valid,
-                                    rows.start, b, mask_token_id, **walk, **window)
-            drafts, q = sampling.walk(selector, *drafted, rows) if walk else sampling.propose(drafted, rows)
-            del drafted  # (A, b - 1, V) draft logits: freed before the verify forward allocates
-            block = torch.cat([rows.anchor, drafts if drafts.device == device else drafts.to(device)], dim=1)  # (A, b)
-            rows.context_drafted(draft_cache.get_seq_length())
-            drafts_run += 1
-        logits = _forward_target(target, cache_kw, target_cache, block, positions,
-                                 rows.target_valid if rows.masked else None, windows,
-                                 rope=None if vision is None else vision.rope(positions, rows.ids))
-        verifies += 1
-        accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
-        committed = accepted + 1  # (A,) anchor + accepted drafts enter the caches; next_token is the new anchor
-        counts, finished = _commit(run, rows, accepted, block[:, 1:], next_token, scores, logits)
+    while not any(finished) or _drop_finished(rows, finished, loop.caches, device):
+        b = _block_size(loop, rows, next_b, input_ids)
+        proposal = _propose(loop, rows, b)
+        logits = _verify_forward(loop, rows, proposal)
+        verifies, drafts_run = verifies + 1, drafts_run + (b > 1)
+        accepted, next_token, scores = sampling.verify(proposal, logits, rows)
+        counts, finished = _commit(run, rows, accepted, proposal.tokens, next_token, scores, logits)
         sampling.advance(rows, counts, logits, finished)  # the caller's processors: replay the committed slots
-        del logits, scores, q  # (A, b, V) each (or None): freed before the next draft pass allocates
-        committed, counts = resume.kept(run, committed, counts, finished)  # a returned cache ends at the output
+        positions = proposal.positions
+        del logits, scores, proposal  # (A, b, V) each (or None): freed before the next draft pass allocates
+        committed, counts = resume.kept(run, accepted + 1, counts, finished)  # a returned cache ends at the output
         if run.stops.timed_out():  # max_time: once per verify step, after the commit
             finished = [True] * len(finished)
-
-        # Roll back: keep the committed slots; rejected ones become holes (masked) for shorter rows.
-        width = max(counts)
-        next_b = next_block_size(block_size, width, adaptive)
-        crop_cache(target_cache, target_cache.get_seq_length() - b + width)
-        restore_linear_states(target_cache, committed)  # hybrid targets: replay each row's committed prefix
-        owned = None
-        if rows.holes:
-            owned = (offsets[None, :width] < committed[:, None]).long()  # (A, width)
-            rows.target_valid = torch.cat([rows.target_valid, owned], dim=1)
-            if min(counts) < width:  # a row committed fewer slots than the widest: holes from here on
-                rows.masked = True
-            else:
-                owned = None  # every new slot is valid: no mask for this context
-        rows.add_context(_Context(features()[:, :width], positions[:, :width], owned))
-        rows.start, rows.n_new, rows.anchor = rows.start + committed, rows.n_new + committed, next_token[:, None]
-        rows.host_new = [n + c for n, c in zip(rows.host_new, counts)]
+        next_b = next_block_size(block_size, max(counts), adaptive)
+        _keep_committed(loop, rows, b, committed, counts, positions, next_token)
 
     out.num_target_forwards += verifies
     out.num_draft_forwards += drafts_run
-    resume.finish(out, rows, draft_cache)
+    resume.finish(out, rows, resume.draft_cache)
     if output_timings:
         t2 = _sync(device)
         out["timings"] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0,
-                       "new_tokens": sum(len(sum(c, [])) for c in run.chunks)}
+                          "new_tokens": sum(len(sum(c, [])) for c in run.chunks)}
 
 
 # ----------------------------------------------------------------------------- generate() entry points

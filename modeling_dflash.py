@@ -43,10 +43,12 @@ try:
     from .generation_utils import spec_generate as _spec_generate
     from .generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
     from .native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, native_dflash_available
+    from .proposers import Proposal  # noqa: F401
     from .speculative_sampling import speculative_verify  # noqa: F401
     from .static_generate import static_decode as _static_decode  # noqa: F401
     from .stopping_criteria import _Stops  # noqa: F401
     from .target_cache import HYBRID_FAMILIES  # noqa: F401
+    from .target_facts import TargetFacts  # noqa: F401
     from .target_families import draft_block_embedding, draft_logits
     from .target_taps import capture_target_features  # noqa: F401
     from .user_processors import check_copyable  # noqa: F401
@@ -61,10 +63,12 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from generation_utils import spec_generate as _spec_generate
     from generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
     from native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, native_dflash_available
+    from proposers import Proposal  # noqa: F401
     from speculative_sampling import speculative_verify  # noqa: F401
     from static_generate import static_decode as _static_decode  # noqa: F401
     from stopping_criteria import _Stops  # noqa: F401
     from target_cache import HYBRID_FAMILIES  # noqa: F401
+    from target_facts import TargetFacts  # noqa: F401
     from target_families import draft_block_embedding, draft_logits
     from target_taps import capture_target_features  # noqa: F401
     from user_processors import check_copyable  # noqa: F401

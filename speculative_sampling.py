@@ -1,7 +1,7 @@
 """How tokens are chosen in one verify step: generate's logits processors applied per block slot with
-that slot's own prefix, the draft's proposal, and the acceptance rule (greedy prefix match, or
-speculative sampling: Leviathan et al. 2023, Algorithm 1). The counterpart of transformers'
-``generation/logits_process.py`` and ``candidate_generator.py`` for a DFlash block.
+that slot's own prefix (on the target's logits, and for the drafter's proposer, ``proposers.py``), and
+the acceptance rule (greedy prefix match, or speculative sampling: Leviathan et al. 2023, Algorithm 1).
+The counterpart of transformers' ``generation/logits_process.py`` for a DFlash block.
 """
 
 from dataclasses import dataclass
@@ -12,10 +12,8 @@ from transformers import LogitsProcessorList
 from transformers.generation import logits_process as _lp
 
 try:
-    from .dflash2 import selector_walk
     from .user_processors import is_user_processor, lockstep, process_rows, replay, step_copies
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
-    from dflash2 import selector_walk
     from user_processors import is_user_processor, lockstep, process_rows, replay, step_copies
 
 
@@ -127,9 +125,10 @@ class _Sampling:
     """How tokens are chosen from logits: generate's processors, then argmax (greedy) or a sample.
 
     ``procs`` is generate's own ``LogitsProcessorList`` (warpers included when sampling). When every
-    processor is prefix-free (``_PREFIX_FREE``), one batched call processes a whole block (the fast
-    path, as cheap as before); otherwise each slot is processed with its own prefix and drafts are
-    chosen slot by slot (``_process_at``).
+    processor is prefix-free (``prefix_free``), one batched call processes a whole block (the fast
+    path, as cheap as before); otherwise each slot is processed with its own prefix (``_process_at``).
+    The drafter's proposer (``proposers.py``) chooses the drafts with these helpers; ``verify`` judges
+    every proposal, whatever drafted it.
     """
 
     procs: LogitsProcessorList
@@ -190,62 +189,6 @@ class _Sampling:
         scores = self.procs(input_ids, logits.float()) if len(self.procs) else logits.float()
         return self._pick(scores, self.do_sample), scores
 
-    def propose(self, draft_logits: torch.Tensor, rows):
-        """Draft tokens ``(A, n)`` and their distribution q ``(A, n, V)`` (None when greedy)."""
-        if not self.needs_prefix:
-            if not self.do_sample:
-                scores = self.processed(draft_logits) if len(self.procs) else draft_logits
-                return scores.argmax(dim=-1), None
-            q = self.probs(draft_logits)
-            if not self.sample_draft:
-                tokens = q.argmax(dim=-1)
-                return tokens, torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype)
-            return torch.multinomial(q.flatten(0, 1), 1, generator=self.generator).view(q.shape[:2]), q
-        # slot by slot: slot j is processed given the drafts chosen before it
-        a, n, _ = draft_logits.shape
-        tokens = draft_logits.new_zeros(a, n, dtype=torch.long)
-        qs = []
-        procs = self._step_procs()
-        for j in range(n):
-            scores = self._at(procs, rows, tokens[:, :j], draft_logits[:, j])
-            tokens[:, j] = self._pick(scores, self.do_sample and self.sample_draft)
-            qs.append(torch.softmax(scores, dim=-1))
-        if not self.do_sample:
-            return tokens, None
-        q = torch.stack(qs, dim=1)
-        return tokens, (q if self.sample_draft else torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype))
-
-    def walk(self, selector, draft_logits: torch.Tensor, slot_hidden: torch.Tensor, rows):
-        """DFlash 2: draft tokens ``(A, n)`` and q ``(A, n, V)`` fp32 (None when greedy) by the candidate
-        selector's walk (``dflash2.selector_walk``) from each row's anchor ``rows.anchor`` ``(A, 1)``.
-
-        Processors (``procs`` less the warpers) act on each slot's full-vocabulary draft logits before its
-        top-k, with the row's prefix and the tokens the walk chose before that slot (``_at``: the caller's own
-        processors through this step's draft-side copies, ``user_processors.py``); the
-        warpers act on the target only. The walk samples (``do_sample`` and ``sample_draft``) from
-        ``softmax(score / T)`` over the slot's k candidates given the sampled predecessor, ``T`` generate's
-        temperature, and that is the q of the rejection test; otherwise it takes the argmax (q one-hot).
-        Without processors the walk is z-lab's ``DFlash2DraftModel.propose`` exactly (issue 21).
-
-        Args:
-            selector: the drafter's ``candidate_selector``.
-            draft_logits: ``(A, n, V)`` transformed draft logits; slot_hidden: ``(A, n, H)`` their states.
-        """
-        procs = LogitsProcessorList(p for p in self._step_procs() if not isinstance(p, _WARPERS))  # user ones: copies
-        logits, process = draft_logits.to(slot_hidden.device), None
-        if not all(prefix_free(p) for p in procs):
-
-            def process(slot, drafted, scores):  # (A, V) scores of `slot`, `drafted` (A, slot) walked so far
-                return self._at(procs, rows, drafted, scores)
-        elif len(procs):
-            a, n, v = logits.shape
-            logits = procs(logits.new_zeros(a * n, 1, dtype=torch.long), logits.reshape(a * n, v).float()).view(a, n, v)
-        walked = selector_walk(selector, slot_hidden, logits, rows.anchor.to(slot_hidden.device),
-                               do_sample=self.do_sample and self.sample_draft, temperature=self.temperature,
-                               generator=self.generator, process=process)
-        tokens = walked.tokens.to(draft_logits.device)
-        return tokens, (walked.q.to(draft_logits.device) if self.do_sample else None)
-
     @property
     def temperature(self) -> float:
         """Generate's temperature: the product of the ``TemperatureLogitsWarper`` values in ``procs`` (1.0 without)."""
@@ -263,11 +206,14 @@ class _Sampling:
         return torch.stack([self._at(procs, rows, drafts[:, :j], target_logits[:, j])
                             for j in range(target_logits.shape[1])], dim=1)
 
-    def verify(self, drafts, q, target_logits, rows):
-        """``(accepted (A,), next_token (A,), scores (A, n + 1, V) or None)``; see ``speculative_verify``.
+    def verify(self, proposal, target_logits, rows):
+        """``(accepted (A,), next_token (A,), scores (A, n + 1, V) or None)`` of a chain ``proposal``
+        (``proposers.Proposal``: its tokens ``(A, n)`` and q) against the target's logits ``(A, n + 1, V)``
+        at the anchor and each node; see ``speculative_verify``.
 
         ``scores`` are the processed target scores (None on the greedy path without processors). With the
         caller's processors, rows commit in lockstep (``user_processors.lockstep``)."""
+        drafts, q = proposal.tokens, proposal.q
         accepted, next_token, scores = self._verify(drafts, q, target_logits, rows)
         if self.user:
             accepted, next_token = lockstep(accepted, next_token, drafts)

@@ -23,7 +23,6 @@ fixed): it verifies a full block and the tokens past ``max_new_tokens`` are cut 
 
 import contextlib
 import functools
-import inspect
 import threading
 import weakref
 from types import SimpleNamespace
@@ -34,11 +33,15 @@ from transformers.utils import logging
 
 try:
     from .decode_step import _commit, _prefill_commit, _sync
+    from .proposers import Proposal, choose_tokens
+    from .target_facts import TargetFacts
     from .target_families import draft_block_embedding, draft_logits, sliding_target
     from .target_taps import capture_target_features, forward_lock, hidden_states_request, run_target
     from .target_taps import warm_output_capture
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from decode_step import _commit, _prefill_commit, _sync
+    from proposers import Proposal, choose_tokens
+    from target_facts import TargetFacts
     from target_families import draft_block_embedding, draft_logits, sliding_target
     from target_taps import capture_target_features, forward_lock, hidden_states_request, run_target
     from target_taps import warm_output_capture
@@ -166,15 +169,16 @@ def _verify_forward(target, cache, tokens, positions, layer_ids: tuple, cache_kw
     return out.logits, torch.cat([out.hidden_states[k + 1].to(feature_device) for k in layer_ids], dim=-1)
 
 
-def _prefill(target, cache, input_ids, layer_ids: tuple, cache_kw: str, pass_cache_position: bool, feature_device=None):
+def _prefill(target, cache, input_ids, layer_ids: tuple, cache_kw: str, pass_cache_position: bool, feature_device=None,
+             prefill=None):
     """Eager prompt pass: last-position logits ``(1, 1 or P, V)`` and features ``(1, P, len(layer_ids) * H)``.
 
     Features come from hooks on the chosen layers only (``capture_target_features``): asking the
     forward for ``output_hidden_states`` would hold every layer's states of the whole prompt. Each tap is
-    moved to ``feature_device`` (the draft's) before concatenation."""
+    moved to ``feature_device`` (the draft's) before concatenation. ``prefill``: the prefill's extra keywords
+    (``TargetFacts.prefill``: ``logits_to_keep=1`` where the target takes it)."""
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-    params = inspect.signature(target.forward).parameters
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    extra = dict(prefill or {})
     if pass_cache_position:
         extra["cache_position"] = positions[0]
     with capture_target_features(target, layer_ids, feature_device) as features:
@@ -300,29 +304,29 @@ def _step_marker(compile_config, device):
 
 
 def static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run,
-                  compile_config=None, draft_window=None):
+                  compile_config=None, draft_window=None, facts=None):
     """The static-shape speculative loop (batch 1); fills ``run`` like the dynamic ``_decode``.
 
     Prefill and the first draft pass (whose context is the whole prompt) run eagerly; every later draft
     and verify forward has the same shapes and goes through the compiled functions. The caches are this
-    thread's for ``target`` (``call_caches``), emptied first; ``draft_window``: see ``spec_generate``."""
+    thread's for ``target`` (``call_caches``), emptied first; ``draft_window``: see ``spec_generate``;
+    ``facts``: the call's ``target_facts.TargetFacts`` (read here when not given)."""
+    facts = facts if facts is not None else TargetFacts.read(target, draft)
     if input_ids.device.type == "cpu":
         logger.warning(CPU_NOTE)
     budget = run.stops.budget
     prompt_len, b = input_ids.shape[1], block_size
     with call_caches(target, draft, prompt_len + budget + b, prompt_len + budget + 2 * b, input_ids.device) as caches:
         _static_steps(draft, target, input_ids, b, mask_token_id, sampling, output_timings, run, compile_config,
-                     draft_window, *caches)
+                      draft_window, facts, *caches)
 
 
 def _static_steps(draft, target, input_ids, b, mask_token_id, sampling, output_timings, run, compile_config,
-                 draft_window, target_cache, draft_cache):
+                  draft_window, facts, target_cache, draft_cache):
     """``static_decode``'s loop over the given (emptied) caches."""
     device, prompt_len, out = input_ids.device, input_ids.shape[1], run.out
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    params = inspect.signature(target.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
-    pass_cache_position = "cache_position" in params
+    embed, head, cache_kw = facts.embed, facts.head, facts.cache_kw
+    pass_cache_position = "cache_position" in facts.forward_params
     layer_ids = tuple(draft.config.target_layer_ids)
     verify, draft_fn = compiled(_verify_forward, compile_config), compiled(_draft_forward, compile_config)
     if draft_window is not None:  # a Python constant of every draft call (one graph per window size)
@@ -332,9 +336,9 @@ def _static_steps(draft, target, input_ids, b, mask_token_id, sampling, output_t
         warm_output_capture(target, layer_ids)
     t0 = _sync(device) if output_timings else None
 
-    feature_device = draft.fc.weight.device  # taps go to the draft's device (target_families.draft_device)
+    feature_device = facts.draft_device  # taps go to the draft's device
     logits, features = _prefill(target, target_cache, input_ids, layer_ids, cache_kw, pass_cache_position,
-                                feature_device)
+                                feature_device, facts.prefill)
     first, scores = sampling.first(logits[:, -1], input_ids)
     out.num_target_forwards, out.num_draft_forwards = 1, 0
     done = bool(_prefill_commit(run, first, scores, logits[:, -1])[0])
@@ -347,20 +351,21 @@ def _static_steps(draft, target, input_ids, b, mask_token_id, sampling, output_t
 
     while not done:
         mark_step()
-        block, q = anchor, None
+        block, q, probs = anchor, None, anchor.new_zeros(1, 0, dtype=torch.float32)
         if b > 1:
             logits = _draft_logits(draft_step, draft, embed, head, anchor, features, n_ctx, draft_cache, b,
                                    mask_token_id)
-            drafts, q = sampling.propose(logits, rows)
+            drafts, q, probs = choose_tokens(sampling, logits, rows)  # DFlash 1's choice (proposers.py)
             block = torch.cat([anchor, drafts.to(device)], dim=1)  # (1, b)
             out.num_draft_forwards += 1
             draft_step = draft_fn
         positions = start + torch.arange(b, device=device)[None]
+        proposal = Proposal(block[:, 1:], positions, probs, q)
         with forward_lock(target):  # outside the compiled function: dynamo cannot enter a lock
             logits, features = verify(target, target_cache, block, positions, layer_ids, cache_kw, pass_cache_position,
                                       feature_device)
         out.num_target_forwards += 1
-        accepted, next_token, scores = sampling.verify(block[:, 1:], q, logits, rows)
+        accepted, next_token, scores = sampling.verify(proposal, logits, rows)
         counts, finished = _commit(run, rows, accepted, block[:, 1:], next_token, scores, logits)  # the step's one host sync
         done = finished[0] or run.stops.timed_out()
         c = counts[0]  # anchor + accepted drafts enter the caches; next_token is the new anchor

@@ -155,11 +155,13 @@ def window_masks(windows: dict, q_pos, k_pos, key_valid, dtype):
     return out[None] if None in out else out
 
 
-def target_mask(target, windows, tokens_valid, positions, key_valid, known_masked: bool = False):
+def target_mask(windows, tokens_valid, positions, key_valid, known_masked: bool = False, *,
+                dtype=torch.float32, flash: bool = False):
     """The ``attention_mask`` argument for a target forward over a cache with holes.
 
     Args:
-        windows: [`layer_windows`] of the target ({} when nothing slides).
+        windows: [`layer_windows`] of the target ({} when nothing slides); dtype: of the 4-D masks (the
+            target's); flash: the target runs flash-attention (``target_facts.TargetFacts`` reads both once).
         tokens_valid: ``(B, n)`` validity of the new tokens; positions ``(B, n)`` their true positions.
         key_valid: ``(B, cache_len)`` validity of the cached slots (committed slots in order).
         known_masked: the caller knows some slot is masked (host bookkeeping): the device check that
@@ -173,12 +175,11 @@ def target_mask(target, windows, tokens_valid, positions, key_valid, known_maske
         return None
     if not windows:
         return valid
-    if str(getattr(target.config, "_attn_implementation", "")).startswith("flash"):
+    if flash:
         raise NotImplementedError(
             "a ragged batch on a sliding-window target needs explicit 4-D masks, which flash-attention does not "
             "take; load the target with attn_implementation='sdpa' or 'eager', or run the prompts one at a time")
     k_pos = valid.long().cumsum(1) - 1  # true position of every committed slot
-    dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), torch.float32)
     return window_masks(windows, positions, k_pos, valid, dtype)
 
 
@@ -343,7 +344,11 @@ def static_rope_reason(target, prompt_len: int, budget: int, block_size: int):
     position-dependent-RoPE target, or None. Its last block (anchor at ``prompt_len + budget - 2``, the
     last position generate computes) reaches ``prompt_len + budget + block_size - 3``; at or past the
     switch the whole forward would use the switched frequencies."""
-    found = rope_switch(target)
+    return rope_reach_reason(rope_switch(target), prompt_len, budget, block_size)
+
+
+def rope_reach_reason(found, prompt_len: int, budget: int, block_size: int):
+    """[`static_rope_reason`] from the target's [`rope_switch`] ``found`` (read once per call)."""
     if found is None:
         return None
     kind, first = found
@@ -595,7 +600,8 @@ FAMILY = sys.modules[__name__]
 __all__ = [
     "FAMILY", "block_embedding_scale", "concat_taps", "draft_block_embedding", "draft_logits",
     "check_family", "check_rope", "check_tap", "decoder_parts", "draft_device", "execution_device",
-    "layer_windows", "longrope_block_limit", "prefill_kwargs", "rope_switch", "sliding_target", "static_rope_reason",
+    "layer_windows", "longrope_block_limit", "prefill_kwargs", "rope_reach_reason", "rope_switch", "sliding_target",
+    "static_rope_reason",
     "target_mask", "text_config", "verify_budget", "window_masks", "pop_model_inputs", "prepared_model_inputs",
     "vision_prompt", "VisionPrompt",
 ]

@@ -26,6 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import generation_utils  # noqa: E402
+import proposers  # noqa: E402
 import speculative_sampling  # noqa: E402
 from configuration_dflash import DFlashConfig  # noqa: E402
 from modeling_dflash import DFlash2DraftModel, DFlashDraftModel  # noqa: E402
@@ -70,9 +71,9 @@ class Timer:
 def run(draft, target, ids, new):
     """One greedy spec_generate; returns (sequences, acceptance lengths, {part: ms per step})."""
     timer = Timer()
-    timer.wrap(generation_utils, "_draft_logits", "draft forward + logits")
-    timer.wrap(speculative_sampling._Sampling, "propose", "proposal")
-    timer.wrap(speculative_sampling._Sampling, "walk", "proposal")
+    timer.wrap(proposers, "_draft_logits", "draft forward + logits")
+    timer.wrap(proposers.BlockProposer, "choose", "proposal")
+    timer.wrap(proposers.SelectorProposer, "choose", "proposal")
     try:
         out = draft.spec_generate(target, ids, max_new_tokens=new, temperature=0.0, stop_token_ids=[],
                                   return_dict_in_generate=True, output_timings=True)

@@ -46,6 +46,7 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import generation_utils  # noqa: E402
+import proposers  # noqa: E402
 import static_generate  # noqa: E402
 from configuration_dflash import DFlashConfig  # noqa: E402
 from modeling_dflash import DFlashDraftModel  # noqa: E402
@@ -209,7 +210,7 @@ def build_pair(device, dtype, shape, draft_shape, block_size):
 class Oracle:
     """Replaces the draft's logits (after the real draft forward ran) by the target's greedy tokens,
     indexed on the device (no sync): full acceptance up to rounding. Patched where each loop looks the
-    draft logits up (``generation_utils._draft_logits``, ``static_generate._draft_logits``); leaving the
+    draft logits up (``proposers._draft_logits``, ``static_generate._draft_logits``); leaving the
     ``with`` block raises when the oracle never ran (a patch on a name the loop no longer reads)."""
 
     def __init__(self, ref):
@@ -223,7 +224,7 @@ class Oracle:
         return torch.nn.functional.one_hot(self.ref[idx], vocab).float()[None] * 30
 
     def __enter__(self):
-        dyn, sta = generation_utils._draft_logits, static_generate._draft_logits
+        dyn, sta = proposers._draft_logits, static_generate._draft_logits
 
         def fake_dynamic(draft, embed, head, anchor, ctx, cache, valid, start, b, mask_token_id):
             real = dyn(draft, embed, head, anchor, ctx, cache, valid, start, b, mask_token_id)
@@ -233,8 +234,8 @@ class Oracle:
             real = sta(fn, draft, embed, head, anchor, features, n_ctx, cache, b, mask_token_id)
             return self.logits(cache.length, b, real.shape[-1])
 
-        self.saved = [(generation_utils, "_draft_logits", dyn), (static_generate, "_draft_logits", sta)]
-        generation_utils._draft_logits, static_generate._draft_logits = fake_dynamic, fake_static
+        self.saved = [(proposers, "_draft_logits", dyn), (static_generate, "_draft_logits", sta)]
+        proposers._draft_logits, static_generate._draft_logits = fake_dynamic, fake_static
         return self
 
     def __exit__(self, exc_type, *exc):

@@ -61,7 +61,7 @@ def main():
         pos_ctx = (valid.cumsum(1) - 1).clamp_min(0)
         cache = DynamicCache()
         with torch.no_grad():
-            mask = target_families.target_mask(model, windows, valid, pos_ctx, valid[:, :0])
+            mask = target_families.target_mask(windows, valid, pos_ctx, valid[:, :0])
             model(input_ids=ctx, position_ids=pos_ctx, attention_mask=mask, use_cache=True, **{kw: cache})
         start = valid.sum(1)
         block = torch.randint(0, 1000, (bsz, a.block))
@@ -70,12 +70,12 @@ def main():
 
         def step():
             with torch.no_grad():
-                m = target_families.target_mask(model, windows, torch.ones_like(block), positions, valid)
+                m = target_families.target_mask(windows, torch.ones_like(block), positions, valid)
                 model(input_ids=block, position_ids=positions, attention_mask=m, use_cache=True, **{kw: cache})
                 cache.crop(-(cache.get_seq_length() - length)) if cache.get_seq_length() > length else None
 
         def mask_only():
-            target_families.target_mask(model, windows, torch.ones_like(block), positions, valid)
+            target_families.target_mask(windows, torch.ones_like(block), positions, valid)
 
         return step, mask_only
 

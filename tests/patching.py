@@ -1,7 +1,7 @@
 """Test doubles for the decoding code that must actually run.
 
 Tests swap in oracle drafts and planted bugs by patching a function where the decode loop looks it
-up (``generation_utils._draft_logits``, ``speculative_sampling._process_at``, ...). A double installed
+up (``proposers._draft_logits``, ``speculative_sampling._process_at``, ...). A double installed
 on a name the loop no longer reads (a re-export left behind when code moves to another module)
 changes nothing: the test then runs the real code, and accepted-draft cases or planted bugs silently
 stop being exercised. ``patch_called`` counts the double's calls, and the autouse fixture in

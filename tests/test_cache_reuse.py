@@ -21,6 +21,7 @@ from transformers import DynamicCache
 
 import cache_reuse
 import generation_utils
+import proposers
 from cache_reuse import CACHE_FIELD, DRAFT_CONTEXT
 from decode_step import _Context
 from family_targets import family_target
@@ -64,7 +65,7 @@ def oracle(monkeypatch):
     ``oracle(ref, script)`` sets the reference of the next call and returns the list of
     ``(context positions the draft has, anchor position)`` per draft call."""
     seen, state = [], {}
-    real = generation_utils._draft_logits
+    real = proposers._draft_logits
 
     def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
         has = draft_cache.get_seq_length() + (0 if ctx is None else ctx.features.shape[1])
@@ -76,7 +77,7 @@ def oracle(monkeypatch):
         want[right:] = (want[right:] + 1) % VOCAB
         return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
 
-    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+    patch_called(monkeypatch, proposers, "_draft_logits", fake)
 
     def install(ref, script=(7, 2, 0, 4)):
         state.update(ref=ref, script=script)
@@ -309,7 +310,7 @@ def test_draft_without_context_for_the_cache_sees_the_suffix_from_position_0(mon
     system = _ids(30, 11)
     n = system.shape[1]
     cache = _prefill(target, system, _fresh_cache(target))
-    real = generation_utils._draft_logits
+    real = proposers._draft_logits
     feats, compared = [], []
 
     def checked(loop_draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id, **kw):
@@ -324,7 +325,7 @@ def test_draft_without_context_for_the_cache_sees_the_suffix_from_position_0(mon
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         return got
 
-    patch_called(monkeypatch, generation_utils, "_draft_logits", checked)
+    patch_called(monkeypatch, proposers, "_draft_logits", checked)
     prompt = torch.cat([system, _ids(31, 4)], dim=1)
     out = draft.spec_generate(target, prompt, max_new_tokens=24, temperature=0.0, **{CACHE_FIELD: cache})
     assert torch.equal(out, _greedy(target, prompt, 24))

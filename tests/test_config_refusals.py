@@ -11,6 +11,7 @@ import torch
 import transformers
 
 import generation_utils
+import proposers
 from configuration_dflash import REFUSED_KEYS, DFlashConfig
 from modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 from target_families import draft_block_embedding, draft_logits
@@ -160,14 +161,14 @@ def test_spec_generate_applies_the_drafter_logit_keys(monkeypatch):
     """The logits sampling sees are the capped ones (greedy output is the target's either way)."""
     target, draft = tiny_target(), tiny_draft(final_logit_softcapping=0.01, block_size=4)
     got = []
-    real = generation_utils._draft_logits
+    real = proposers._draft_logits
 
     def spy(*args):
         logits = real(*args)
         got.append(logits)
         return logits
 
-    monkeypatch.setattr(generation_utils, "_draft_logits", spy)
+    monkeypatch.setattr(proposers, "_draft_logits", spy)
     draft.spec_generate(target, torch.tensor([[3, 1, 4]]), max_new_tokens=6, temperature=0.0)
     assert got and all(g.abs().max() <= 0.01 for g in got)
 

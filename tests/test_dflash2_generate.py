@@ -22,6 +22,7 @@ import transformers
 
 import dflash2
 import generation_utils
+import proposers
 from family_targets import family_target
 from test_families import _left_pad as left_pad
 from modeling_dflash import DFlash2DraftModel, DFlashDraftModel
@@ -101,7 +102,7 @@ def install_oracle(monkeypatch, refs, pattern=lambda step, row, n: (n, 1, 0)[(st
     the bonus on its first ``pattern(s, r, n)`` slots (all / 1 / 0 by default: blocks fully, partly and
     never accepted, rows of a batch accepting different counts); ``inspect(logits, slot_hidden)`` sees
     what the loop's draft pass returned. Returns the list of steps seen."""
-    real, steps = generation_utils._draft_logits, []
+    real, steps = proposers._draft_logits, []
 
     def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id, slot_states=False):
         assert slot_states, "a DFlash 2 drafter must be asked for its slot states"
@@ -125,7 +126,7 @@ def install_oracle(monkeypatch, refs, pattern=lambda step, row, n: (n, 1, 0)[(st
         steps.append(start.tolist())
         return unary, slot_hidden
 
-    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+    patch_called(monkeypatch, proposers, "_draft_logits", fake)
     return steps
 
 
@@ -261,8 +262,6 @@ def exact_drafted_pair(target, prompt, processors):
 def watch_walks(monkeypatch, walk=dflash2.selector_walk):
     """Count, over every walk of the loop, the slots where the bilinear term moved the choice off the
     unary argmax (score argmax given the walk's predecessor != logits argmax). Returns [changed, slots]."""
-    import speculative_sampling
-
     tally = [0, 0]
 
     def watched(selector, hidden, logits, anchor_ids, **options):
@@ -272,7 +271,7 @@ def watch_walks(monkeypatch, walk=dflash2.selector_walk):
         tally[1] += best.numel()
         return drafted
 
-    patch_called(monkeypatch, speculative_sampling, "selector_walk", watched)
+    patch_called(monkeypatch, proposers, "selector_walk", watched)
     return tally
 
 
@@ -359,7 +358,7 @@ def test_prefix_dependent_processor_sees_the_walks_own_prefix_at_every_slot(monk
         blocks.extend(torch.cat([anchor_ids.reshape(-1, 1), drafted.tokens], dim=1).tolist())
         return drafted
 
-    patch_called(monkeypatch, speculative_sampling, "selector_walk", watched)
+    patch_called(monkeypatch, proposers, "selector_walk", watched)
     for kwargs, repeats in ((dict(), True), (dict(no_repeat_ngram_size=1), False)):
         blocks.clear()
         out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12, temperature=0.0, **kwargs)

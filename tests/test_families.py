@@ -14,6 +14,7 @@ import torch
 import transformers
 
 import generation_utils
+import proposers
 import target_families
 from family_targets import BUILDERS, TARGET_CONFIGS, family_target, published_target
 from patching import patch_called
@@ -41,7 +42,7 @@ def _left_pad(prompts):
 def _install_oracle(monkeypatch, refs):
     """Draft logits right for ``(step + row) % 3`` -> all / 1 / 0 slots, so blocks are fully, partly
     and never accepted, and rows of a batch accept different counts (cache holes)."""
-    real = generation_utils._draft_logits
+    real = proposers._draft_logits
     counts = []
 
     def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
@@ -56,7 +57,7 @@ def _install_oracle(monkeypatch, refs):
         counts.append(len(rows))
         return torch.stack(rows)
 
-    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+    patch_called(monkeypatch, proposers, "_draft_logits", fake)
     return counts
 
 

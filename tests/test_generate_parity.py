@@ -13,6 +13,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 
 import generation_utils
+import proposers
 from patching import patch_called
 from tiny import VOCAB, tiny_draft, tiny_target
 
@@ -42,7 +43,7 @@ def oracle(monkeypatch):
     ``script[step]`` slots then wrong. Rows are told apart by (anchor position, anchor token)."""
 
     def install(mask, ref, script):
-        real = generation_utils._draft_logits
+        real = proposers._draft_logits
         pads = (mask.shape[1] - mask.sum(1)).tolist()  # ref index of row r's position 0
         steps = []
 
@@ -58,7 +59,7 @@ def oracle(monkeypatch):
             steps.append(start.tolist())
             return torch.stack(logits)
 
-        patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+        patch_called(monkeypatch, proposers, "_draft_logits", fake)
         return steps
 
     return install

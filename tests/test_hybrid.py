@@ -17,6 +17,7 @@ import torch
 import transformers
 
 import generation_utils
+import proposers
 import target_cache
 from patching import patch_called
 from tiny import VOCAB, peak, tiny_draft, tiny_target
@@ -100,7 +101,7 @@ def reference(kind, p=0, max_new_tokens=48):
 
 def _oracle(monkeypatch, refs, script):
     """Draft logits right for ``script[step] (+ 2 * row)`` slots per row, wrong after (row r follows refs[r])."""
-    real, steps = generation_utils._draft_logits, []
+    real, steps = proposers._draft_logits, []
 
     def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
         real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
@@ -114,7 +115,7 @@ def _oracle(monkeypatch, refs, script):
         steps.append(start.tolist())
         return torch.stack(logits)
 
-    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+    patch_called(monkeypatch, proposers, "_draft_logits", fake)
     return steps
 
 

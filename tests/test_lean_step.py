@@ -12,6 +12,7 @@ import torch
 
 import decode_step
 import generation_utils
+import proposers
 from patching import patch_called
 from tiny import VOCAB, tiny_draft, tiny_target
 
@@ -73,7 +74,7 @@ def test_equal_length_batch_masks_from_the_first_step_rows_diverge(monkeypatch, 
     ids = torch.randint(0, VOCAB - 1, (2, 7), generator=torch.Generator().manual_seed(5))
     refs = [target.generate(ids[r: r + 1], attention_mask=torch.ones(1, 7, dtype=torch.long), max_new_tokens=30,
                             do_sample=False)[0] for r in range(2)]
-    real, own = generation_utils._draft_logits, [0]
+    real, own = proposers._draft_logits, [0]
 
     def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
         real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
@@ -85,7 +86,7 @@ def test_equal_length_batch_masks_from_the_first_step_rows_diverge(monkeypatch, 
         own[0] += sum(sync_counter.values()) - before  # this fake's own reads are not the loop's
         return torch.nn.functional.one_hot(want, VOCAB).float() * 30
 
-    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+    patch_called(monkeypatch, proposers, "_draft_logits", fake)
     runs = []
     for new in (10, 18):
         sync_counter.clear()
@@ -117,7 +118,7 @@ def scripted_draft(monkeypatch):
 
     def install(reference, script):
         sizes = []
-        real = generation_utils._draft_logits
+        real = proposers._draft_logits
 
         def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
             real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
@@ -127,7 +128,7 @@ def scripted_draft(monkeypatch):
             want[right:] = (want[right:] + 1) % VOCAB
             return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
 
-        patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+        patch_called(monkeypatch, proposers, "_draft_logits", fake)
         return sizes
 
     return install

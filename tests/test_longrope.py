@@ -19,6 +19,7 @@ import transformers
 
 import decode_step
 import generation_utils
+import proposers
 import target_families
 from patching import patch_called
 from tiny import VOCAB, tiny_draft
@@ -63,7 +64,7 @@ def reference(target):
 def _oracle(monkeypatch, ref, pattern):
     """Draft logits equal to ``ref``'s next tokens on the first ``pattern[step % len]`` slots (None: all),
     wrong after; records ``(start, b, draft cache length, ctx features, ctx positions)`` per draft call."""
-    real, calls = generation_utils._draft_logits, []
+    real, calls = proposers._draft_logits, []
 
     def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
         calls.append((int(start[0]), b, draft_cache.get_seq_length(), ctx.features.clone(), ctx.positions.clone()))
@@ -75,7 +76,7 @@ def _oracle(monkeypatch, ref, pattern):
         want[right:] = (want[right:] + 1) % VOCAB
         return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
 
-    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+    patch_called(monkeypatch, proposers, "_draft_logits", fake)
     return calls
 
 

@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers.generation import GenerateDecoderOnlyOutput
 
+import proposers
 import speculative_sampling
 from patching import patch_called
 from test_generate_parity import PROMPTS, _check_parity, _generate, _left_pad, oracle  # noqa: F401 (fixture)
@@ -121,14 +122,14 @@ def test_planted_shifted_prefix_fails_greedy_parity(oracle, monkeypatch, case):
 
 def _spy_proposals(monkeypatch):
     proposals = []
-    real = speculative_sampling._Sampling.propose
+    real = proposers.choose_tokens
 
-    def spy(self, logits, rows):
-        tokens, q = real(self, logits, rows)
+    def spy(sampling, logits, rows):
+        tokens, q, probs = real(sampling, logits, rows)
         proposals.extend(tokens.flatten().tolist())
-        return tokens, q
+        return tokens, q, probs
 
-    patch_called(monkeypatch, speculative_sampling._Sampling, "propose", spy)
+    patch_called(monkeypatch, proposers, "choose_tokens", spy)
     return proposals
 
 

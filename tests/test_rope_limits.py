@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import generation_utils
+import proposers
 import static_generate
 import target_families
 from patching import patch_called
@@ -56,7 +57,7 @@ def _positions_seen(target):
 
 def _oracle(monkeypatch, refs, right):
     """Draft logits right on ``right[r]`` slots for the row that follows ``refs[r]`` (None: every slot)."""
-    real = generation_utils._draft_logits
+    real = proposers._draft_logits
 
     def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
         real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
@@ -69,7 +70,7 @@ def _oracle(monkeypatch, refs, right):
             out.append(torch.nn.functional.one_hot(want, VOCAB).float() * 30)
         return torch.stack(out)
 
-    patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+    patch_called(monkeypatch, proposers, "_draft_logits", fake)
 
 
 def _left_padded(prompts, width=None):

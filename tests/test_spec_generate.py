@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import generation_utils
+import proposers
 from patching import patch_called
 from tiny import VOCAB, tiny_draft, tiny_target
 
@@ -32,7 +33,7 @@ def oracle(monkeypatch):
 
     def install(ref, script, target):
         calls = []
-        real = generation_utils._draft_logits
+        real = proposers._draft_logits
 
         def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
             real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id)
@@ -44,7 +45,7 @@ def oracle(monkeypatch):
             want[right:] = (want[right:] + 1) % VOCAB  # wrong from slot right+1 on
             return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
 
-        patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+        patch_called(monkeypatch, proposers, "_draft_logits", fake)
         target_cache_lengths = []
 
         def pre_hook(module, args, kwargs):
@@ -273,7 +274,7 @@ def test_streamer_gets_prompt_once_then_exactly_the_new_tokens():
 def _spy_draft_calls(monkeypatch):
     """Record (start, cache length before, context features, real draft logits) for every draft call."""
     calls = []
-    real = generation_utils._draft_logits
+    real = proposers._draft_logits
 
     def spy(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
         cached = draft_cache.get_seq_length()
@@ -281,7 +282,7 @@ def _spy_draft_calls(monkeypatch):
         calls.append((int(start[0]), cached, ctx.features.clone(), logits.clone()))
         return logits
 
-    patch_called(monkeypatch, generation_utils, "_draft_logits", spy)
+    patch_called(monkeypatch, proposers, "_draft_logits", spy)
     return calls
 
 
@@ -307,7 +308,7 @@ def test_feature_at_the_anchor_is_invisible_the_one_before_is_seen(monkeypatch, 
     """Perturb only the captured feature of position anchor+offset; compare the draft at that anchor."""
     target, draft = TARGETS["qwen3"], tiny_draft(block_size=4)
     anchor = 9
-    real_capture, real_draft_logits = generation_utils.capture_target_features, generation_utils._draft_logits
+    real_capture, real_draft_logits = generation_utils.capture_target_features, proposers._draft_logits
 
     def run(perturb_at):
         positions = []
@@ -332,7 +333,7 @@ def test_feature_at_the_anchor_is_invisible_the_one_before_is_seen(monkeypatch, 
             handle.remove()
             o_handle.remove()
         monkeypatch.setattr(generation_utils, "capture_target_features", real_capture)
-        monkeypatch.setattr(generation_utils, "_draft_logits", real_draft_logits)
+        monkeypatch.setattr(proposers, "_draft_logits", real_draft_logits)
         return {start: logits for start, _, _, logits in calls}
 
     base, perturbed = run(perturb_at=-100), run(perturb_at=anchor + offset)
@@ -357,7 +358,7 @@ def batch_oracle(monkeypatch):
     """Row-aware oracle: row r is right for (step + 2 r) % b slots, so rows accept different counts."""
 
     def install(refs):
-        real = generation_utils._draft_logits
+        real = proposers._draft_logits
         steps = []
 
         def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id):
@@ -374,7 +375,7 @@ def batch_oracle(monkeypatch):
             steps.append(start.tolist())
             return torch.stack(logits)
 
-        patch_called(monkeypatch, generation_utils, "_draft_logits", fake)
+        patch_called(monkeypatch, proposers, "_draft_logits", fake)
         return steps
 
     return install

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModel, CompileConfig
 
 import generation_utils
+import proposers
 import static_generate
 from patching import patch_called
 from tiny import VOCAB, tiny_draft, tiny_target
@@ -45,7 +46,7 @@ def _oracle(want_from, start, b):
 def scripted(monkeypatch):
     """Both loops draft with the oracle; the real draft logits of every call are kept for comparison."""
     real, state = {"dynamic": [], "static": []}, {}
-    dyn, sta = generation_utils._draft_logits, static_generate._draft_logits
+    dyn, sta = proposers._draft_logits, static_generate._draft_logits
 
     def fake_dynamic(draft, embed, head, anchor, ctx, cache, valid, start, b, mask_token_id):
         real["dynamic"].append(dyn(draft, embed, head, anchor, ctx, cache, valid, start, b, mask_token_id))
@@ -55,7 +56,7 @@ def scripted(monkeypatch):
         real["static"].append(sta(fn, draft, embed, head, anchor, features, n_ctx, cache, b, mask_token_id).clone())
         return _oracle(state["ref"], int(cache.length), b)  # cache.length == the anchor's position now
 
-    monkeypatch.setattr(generation_utils, "_draft_logits", fake_dynamic)
+    monkeypatch.setattr(proposers, "_draft_logits", fake_dynamic)
     monkeypatch.setattr(static_generate, "_draft_logits", fake_static)
 
     def run(kind, block_size, max_new_tokens, **kwargs):

@@ -1,0 +1,242 @@
+"""Who proposes: one proposer per drafter kind behind one call, one proposal type for the verifier.
+
+Like transformers' ``generation/candidate_generator.py`` (every assistant kind a ``CandidateGenerator``
+with ``get_candidates``, the loop never asking which kind it has), each drafter kind here drafts a
+block through the same call, ``proposer.propose(rows, b) -> Proposal``, and one verify function
+(``speculative_sampling._Sampling.verify``) consumes it. The choice is one proxy object per drafter kind,
+made once per call by [`proposer_for`]:
+
+* [`BlockProposer`], DFlash 1 (``DFlashDraftModel``): one draft pass over ``[anchor, MASK x (b-1)]``,
+  then each slot's token chosen from its own logits under generate's processors (notes section 1);
+* [`SelectorProposer`], DFlash 2 (``DFlash2DraftModel``): the same pass, then the candidate selector's
+  walk over each slot's top-k (``dflash2.selector_walk``; z-lab ``DFlash2DraftModel.propose``).
+
+A [`Proposal`] describes a chain today and a tree later: every node's token, parent and depth, the
+positions, the draft's probability of each node's own token (greedy calls included), the q rows when
+sampling, and a per-node acceptance estimate for drafters that predict one (DSpark's confidence head).
+Source: issue "Seams for what comes next".
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import LogitsProcessorList
+
+try:
+    from .decode_step import crop_cache
+    from .dflash2 import selector_walk
+    from .speculative_sampling import _WARPERS, prefix_free
+    from .target_families import FAMILY as _families
+except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from decode_step import crop_cache
+    from dflash2 import selector_walk
+    from speculative_sampling import _WARPERS, prefix_free
+    from target_families import FAMILY as _families
+
+
+@dataclass
+class Proposal:
+    """What a proposer drafts for one verify step of ``A`` rows: ``n`` nodes below each row's anchor.
+
+    Attributes:
+        tokens: ``(A, n)`` long, each node's token, in node order (a chain: slot order).
+        positions: ``(A, n + 1)`` long, the true positions of the anchor and of every node
+            (``start + depth``): the verify forward's positions.
+        token_probs: ``(A, n)`` fp32, the draft's probability of each node's own token: the q it was drawn
+            from, or under greedy the softmax of the scores it was chosen from (DFlash 2: of its slot's
+            draft logits after the processors that do not read the prefix).
+        q: ``(A, n, V)`` fp32, the distribution each node was drawn from (sampling), else None (greedy).
+        parents: ``(n,)`` long, each node's parent (``-1``: the anchor), or None for a chain (node ``j``'s
+            parent is ``j - 1``).
+        acceptance: ``(A, n)`` fp32, the drafter's own estimate that each node is accepted given its parent
+            was (DSpark's confidence head), or None where the drafter has none.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    token_probs: torch.Tensor
+    q: Optional[torch.Tensor] = None
+    parents: Optional[torch.Tensor] = None
+    acceptance: Optional[torch.Tensor] = None
+
+    @classmethod
+    def anchor_only(cls, anchor: torch.Tensor, positions: torch.Tensor) -> "Proposal":
+        """No drafted node (a block of 1: a plain target step); ``anchor`` ``(A, 1)``, positions ``(A, 1)``."""
+        return cls(anchor[:, :0], positions, positions.new_zeros(positions.shape[0], 0, dtype=torch.float32))
+
+    @property
+    def depths(self) -> torch.Tensor:
+        """``(n,)`` long: each node's depth below the anchor (1 for its children)."""
+        n = self.tokens.shape[1]
+        if self.parents is None:
+            return torch.arange(1, n + 1, device=self.tokens.device)
+        depth = torch.zeros(n, dtype=torch.long, device=self.tokens.device)
+        for j, parent in enumerate(self.parents.tolist()):  # parents come before their children
+            depth[j] = 1 if parent < 0 else depth[parent] + 1
+        return depth
+
+    @property
+    def chain_parents(self) -> torch.Tensor:
+        """``(n,)`` long: ``parents``, with a chain's ``j - 1`` written out."""
+        n = self.tokens.shape[1]
+        return self.parents if self.parents is not None else torch.arange(-1, n - 1, device=self.tokens.device)
+
+
+def _own_probs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``(A, n)`` fp32 ``softmax(scores)[token]`` of each slot, without the ``(A, n, V)`` softmax."""
+    own = scores.gather(-1, tokens[..., None])[..., 0]
+    return (own.float() - torch.logsumexp(scores.float(), dim=-1)).exp()
+
+
+def _draft_logits(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id,
+                  slot_states=False, draft_window=None):
+    """One draft pass over ``[anchor, MASK x (b-1)]`` at positions ``start..start+b-1`` per row.
+
+    Args:
+        anchor: ``(B, 1)`` last committed token of each row; ``start`` ``(B,)`` its position.
+        ctx: ``decode_step._Context`` with the features ``(B, C, F)`` of positions before the anchor that are
+            not yet in ``draft_cache``, their positions ``(B, C)`` and validity ``(B, C)``.
+        draft_valid: ``(B, cache_len)`` validity of the cached slots, or None when all are valid.
+        draft_window: ``spec_generate``'s, handed to the draft's forward (None: the whole context).
+
+    Returns draft logits ``(B, b-1, V)`` for slots 1..b-1; with ``slot_states`` (a DFlash 2 drafter, whose
+    candidate selector also reads the slots' states) ``(logits, slot_hidden (B, b-1, H))``
+    (``DFlash2DraftModel.selector_inputs``). ``draft_cache`` keeps context K/V only.
+    """
+    bsz = anchor.shape[0]
+    noise = torch.cat([anchor, anchor.new_full((bsz, b - 1), mask_token_id)], dim=1)
+    block_pos = start[:, None] + torch.arange(b, device=anchor.device)
+    key_valid = None
+    if draft_valid is not None or ctx.valid is not None:  # only with holes (ctx.valid is None without)
+        cached = draft_valid if draft_valid is not None else ctx.valid.new_ones(bsz, draft_cache.get_seq_length())
+        ctx_valid = ctx.valid if ctx.valid is not None else cached.new_ones(ctx.positions.shape)
+        key_valid = torch.cat([cached, ctx_valid, cached.new_ones(bsz, b)], dim=1)
+    kept = draft_cache.get_seq_length() + ctx.features.shape[1]
+    noise_embedding = _families.draft_block_embedding(draft.config, embed, noise)
+    hidden = draft(position_ids=torch.cat([ctx.positions, block_pos], dim=1), noise_embedding=noise_embedding,
+                   target_hidden=ctx.features, past_key_values=draft_cache, use_cache=True, attention_mask=key_valid,
+                   **({} if draft_window is None else {"draft_window": draft_window}))
+    crop_cache(draft_cache, kept)  # block K/V are thrown away
+    if slot_states:
+        slot_hidden, logits = draft.selector_inputs(hidden, head)
+        return logits, slot_hidden
+    return _families.draft_logits(draft.config, head, hidden[:, 1:])
+
+
+class BlockProposer:
+    """DFlash 1: one draft pass fills the block; each slot's token is chosen from its own logits.
+
+    Args:
+        draft: the drafter as the loop calls it (``cache_reuse.Resume.draft``); facts: the call's
+            ``target_facts.TargetFacts`` (embedding and head); draft_cache: the draft's context cache;
+        sampling: the call's ``speculative_sampling._Sampling``; mask_token_id; draft_window: see ``spec_generate``.
+    """
+
+    slot_states = False  # the draft pass returns the slots' logits only
+    static_loop = True  # the fixed-shape loop (static_generate.py) drafts this kind too
+
+    def __init__(self, draft, facts, draft_cache, sampling, mask_token_id: int, draft_window=None):
+        self.draft, self.facts, self.draft_cache, self.sampling = draft, facts, draft_cache, sampling
+        self.mask_token_id, self.window = mask_token_id, {} if draft_window is None else {"draft_window": draft_window}
+
+    def draft_pass(self, rows, b: int):
+        """The block's draft pass (``_draft_logits``, looked up at call time so tests can replace it)."""
+        walk = {"slot_states": True} if self.slot_states else {}  # DFlash 1 calls stay as they were
+        return _draft_logits(self.draft, self.facts.embed, self.facts.head, rows.anchor, rows.ctx, self.draft_cache,
+                             rows.draft_valid, rows.start, b, self.mask_token_id, **walk, **self.window)
+
+    def propose(self, rows, b: int, positions: torch.Tensor) -> Proposal:
+        """Draft ``b - 1`` tokens after each row's anchor; ``positions`` ``(A, b)`` those of the block."""
+        drafted = self.draft_pass(rows, b)
+        tokens, q, probs = self.choose(*drafted if self.slot_states else (drafted,), rows=rows)
+        device = positions.device
+        rows.context_drafted(self.draft_cache.get_seq_length())
+        return Proposal(tokens if tokens.device == device else tokens.to(device), positions, probs, q)
+
+    def choose(self, draft_logits: torch.Tensor, rows):
+        """``(tokens (A, n), q (A, n, V) or None, token_probs (A, n))``: [`choose_tokens`]."""
+        return choose_tokens(self.sampling, draft_logits, rows)
+
+
+def choose_tokens(s, draft_logits: torch.Tensor, rows):
+    """DFlash 1's choice: ``(tokens (A, n), q (A, n, V) fp32 or None, token_probs (A, n) fp32)`` from the
+    slots' draft logits ``(A, n, V)`` under the call's processors (``s``, a ``_Sampling``): the argmax, or
+    under sampling a draw from q (``sample_draft``) or q's argmax with a one-hot q (both exact).
+
+    Without prefix-dependent processors one batched call processes the block; otherwise slot ``j`` is
+    processed with the row's prefix and the drafts chosen before it (``_Sampling._at``). Shared by the
+    dynamic loop's [`BlockProposer`] and the static loop."""
+    if not s.needs_prefix:
+        if not s.do_sample:
+            scores = s.processed(draft_logits) if len(s.procs) else draft_logits
+            tokens = scores.argmax(dim=-1)
+            return tokens, None, _own_probs(scores, tokens)
+        q = s.probs(draft_logits)
+        if not s.sample_draft:
+            tokens = q.argmax(dim=-1)
+            return tokens, torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype), _gather(q, tokens)
+        tokens = torch.multinomial(q.flatten(0, 1), 1, generator=s.generator).view(q.shape[:2])
+        return tokens, q, _gather(q, tokens)
+    a, n, _ = draft_logits.shape  # slot by slot: slot j is processed given the drafts chosen before it
+    tokens = draft_logits.new_zeros(a, n, dtype=torch.long)
+    qs = []
+    procs = s._step_procs()
+    for j in range(n):
+        scores = s._at(procs, rows, tokens[:, :j], draft_logits[:, j])
+        tokens[:, j] = s._pick(scores, s.do_sample and s.sample_draft)
+        qs.append(torch.softmax(scores, dim=-1))
+    q = torch.stack(qs, dim=1)
+    probs = _gather(q, tokens)
+    if not s.do_sample:
+        return tokens, None, probs
+    return tokens, (q if s.sample_draft else torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype)), probs
+
+
+def _gather(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return q.gather(-1, tokens[..., None])[..., 0].float()
+
+
+class SelectorProposer(BlockProposer):
+    """DFlash 2: the same draft pass, then the candidate selector's walk (``dflash2.selector_walk``).
+
+    Processors (``procs`` less the warpers) act on each slot's full-vocabulary draft logits before its
+    top-k, with the row's prefix and the tokens the walk chose before that slot (the caller's own
+    processors through this step's draft-side copies, ``user_processors.py``); the warpers act on the
+    target only. The walk samples (``do_sample`` and ``sample_draft``) from ``softmax(score / T)`` over
+    the slot's k candidates given the sampled predecessor, ``T`` generate's temperature, and that is the
+    q of the rejection test; otherwise it takes the argmax (q one-hot). Without processors the walk is
+    z-lab's ``DFlash2DraftModel.propose`` exactly (issue 21).
+    """
+
+    slot_states = True  # the selector reads the slots' states too
+    static_loop = False  # the walk is dynamic-only
+
+    def choose(self, draft_logits: torch.Tensor, slot_hidden: torch.Tensor, rows):
+        s = self.sampling
+        procs = LogitsProcessorList(p for p in s._step_procs() if not isinstance(p, _WARPERS))  # user ones: copies
+        logits, process = draft_logits.to(slot_hidden.device), None
+        if not all(prefix_free(p) for p in procs):
+
+            def process(slot, drafted, scores):  # (A, V) scores of `slot`, `drafted` (A, slot) walked so far
+                return s._at(procs, rows, drafted, scores)
+        elif len(procs):
+            a, n, v = logits.shape
+            logits = procs(logits.new_zeros(a * n, 1, dtype=torch.long), logits.reshape(a * n, v).float()).view(a, n, v)
+        walked = selector_walk(self.draft.candidate_selector, slot_hidden, logits, rows.anchor.to(slot_hidden.device),
+                               do_sample=s.do_sample and s.sample_draft, temperature=s.temperature,
+                               generator=s.generator, process=process)
+        tokens = walked.tokens.to(draft_logits.device)
+        if s.do_sample:
+            q = walked.q.to(draft_logits.device)
+            return tokens, q, _gather(q, tokens)
+        return tokens, None, _own_probs(logits, walked.tokens).to(draft_logits.device)
+
+
+def proposer_for(draft):
+    """The proposer class of ``draft``'s kind: [`SelectorProposer`] for a drafter with a candidate selector
+    (DFlash 2), else [`BlockProposer`]. The one place the drafter kind is asked, once per call."""
+    return SelectorProposer if getattr(draft, "candidate_selector", None) is not None else BlockProposer
+
+
+__all__ = ["BlockProposer", "Proposal", "SelectorProposer", "choose_tokens", "proposer_for"]
