@@ -278,7 +278,7 @@ def spec_generate(
     """
     _check_is_causal_lm(target)
     facts = TargetFacts.read(target, draft)  # what the loop needs to know about the target, read once
-    vocab = target.get_input_embeddings().weight.shape[0]
+    vocab = facts.embed.weight.shape[0]
     check_vocab(draft.config.vocab_size, vocab)
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask, vocab)
     _warn_unmasked_left_padding(input_ids, attention_mask, (generation_config or target.generation_config).pad_token_id)
