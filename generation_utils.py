@@ -184,8 +184,9 @@ def spec_generate(
             committed chunk, never a token past a stop.
         output_timings: add device-synchronised wall-clock timings (seconds) to the output.
         adaptive_block_size: off by default. When True, each step drafts a block of twice the
-            previous step's longest acceptance (anchor included), within ``[2, block_size]``: a fully
-            accepted block doubles, a short acceptance shrinks the next block. Outputs are unchanged.
+            previous step's longest acceptance (anchor included), within ``[min(2, block_size), block_size]``
+            (``block_size=1`` stays at 1): a fully accepted block doubles, a short acceptance shrinks the
+            next block. Outputs are unchanged.
         draft_window: None (default: the draft attends over the whole context), or an integer N >= 1: every
             draft layer attends to at most the last N context positions before the anchor, plus the block
             (a layer with its own ``sliding_window`` W keeps it too: W - 1 context positions before the
