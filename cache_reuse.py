@@ -125,14 +125,23 @@ def check_passed_cache(cache, input_ids: torch.Tensor, mask: torch.Tensor, targe
 
 
 class _ShiftedDraft:
-    """The draft seen with positions shifted by ``origin`` (its context starts there): same ``config``,
-    called as the loop calls it, with ``position_ids - origin``."""
+    """The draft seen with positions shifted by ``origin`` (its context starts there): called as the loop
+    calls it, with ``position_ids - origin``; every other attribute is the draft's own (``config``, a
+    DFlash 2 drafter's ``selector_inputs`` and ``candidate_selector``, whatever a drafter kind adds).
+
+    Source: issue 34 item 3 (the wrapper forwarded ``config`` only: a DFlash 2 drafter continuing from a
+    cache without draft context raised ``AttributeError: ... 'selector_inputs'``)."""
 
     def __init__(self, draft, origin: int):
-        self.draft, self.origin, self.config = draft, origin, draft.config
+        self.draft, self.origin = draft, origin
 
     def __call__(self, position_ids, **kwargs):
         return self.draft(position_ids=position_ids - self.origin, **kwargs)
+
+    def __getattr__(self, name):  # only for names not set in __init__: everything but the call is the draft's
+        if name == "draft":  # not yet set (copy / unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.draft, name)
 
 
 class Resume:

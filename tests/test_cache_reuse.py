@@ -329,3 +329,70 @@ def test_draft_without_context_for_the_cache_sees_the_suffix_from_position_0(mon
     out = draft.spec_generate(target, prompt, max_new_tokens=24, temperature=0.0, **{CACHE_FIELD: cache})
     assert torch.equal(out, _greedy(target, prompt, 24))
     assert max(compared) > 3  # calls with more cached context keys than the window were compared
+
+
+# ----------------------------------------------------------------------------- issue 34 items 3 and 4
+
+def _without_draft_context(source, target, prompt):
+    """``(cache, conversation)`` after ``prompt``, the cache carrying no context for a DFlash 2 drafter: built
+    by ``target.generate``, by the user's own prefill, or returned by ``spec_generate`` with another drafter."""
+    if source == "generate":
+        out = _greedy(target, prompt, 8, return_dict_in_generate=True)
+        return getattr(out, CACHE_FIELD), out.sequences
+    if source == "prefill":
+        return _prefill(target, prompt, _fresh_cache(target)), prompt
+    out = _pair("dense")[1].spec_generate(target, prompt, max_new_tokens=8, temperature=0.0,
+                                          return_dict_in_generate=True)
+    return getattr(out, CACHE_FIELD), out.sequences
+
+
+SOURCES = ["generate", "prefill", "another_drafter"]
+
+
+def _walks(draft):
+    """Counts the DFlash 2 selector walks (one hidden projection each); returns (list, handle)."""
+    calls = []
+    return calls, draft.candidate_selector.hidden_projection.register_forward_hook(lambda *a: calls.append(1))
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_dflash2_drafter_continues_from_a_cache_without_its_draft_context(source):
+    """Issue 34 item 3: a DFlash 2 drafter given a cache without its draft context runs through the position
+    shift (``cache_reuse._ShiftedDraft``), which must forward the drafter's whole interface (it forwarded
+    ``config`` only: AttributeError on ``selector_inputs``). Greedy equals generate on the whole conversation,
+    the walk ran, the passed cache advanced in place."""
+    from test_dflash2_generate import dflash2_draft
+
+    target, draft = _pair("dense")[0], dflash2_draft()
+    cache, conversation = _without_draft_context(source, target, _ids(40, 9))
+    turn = torch.cat([conversation, _ids(41, 4)], dim=1)
+    walks, handle = _walks(draft)
+    try:
+        out = draft.spec_generate(target, turn, max_new_tokens=12, temperature=0.0, return_dict_in_generate=True,
+                                  **{CACHE_FIELD: cache})
+    finally:
+        handle.remove()
+    assert torch.equal(out.sequences, _greedy(target, turn, 12))
+    assert walks and getattr(out, CACHE_FIELD) is cache and cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+def test_dflash2_drafter_continues_from_such_caches_through_custom_generate(tmp_path):
+    """Issue 34 item 3 on ``target.generate(custom_generate=<folder>, assistant_model=draft)``: the folder's own
+    modules (remote code) continue from each kind of cache without draft context, equal to generate."""
+    from test_dflash2_generate import dflash2_draft, loaded
+
+    target = _pair("dense")[0]
+    draft = loaded(dflash2_draft(), tmp_path, remote=True)
+    route = dict(custom_generate=str(tmp_path / "drafter"), trust_remote_code=True, assistant_model=draft,
+                 do_sample=False, max_new_tokens=12)
+    walks, handle = _walks(draft)
+    try:
+        for seed, source in enumerate(SOURCES):
+            cache, conversation = _without_draft_context(source, target, _ids(42 + seed, 9))
+            turn = torch.cat([conversation, _ids(45 + seed, 4)], dim=1)
+            out = target.generate(turn, **route, **{CACHE_FIELD: cache})
+            assert torch.equal(out, _greedy(target, turn, 12)), source
+            assert cache.get_seq_length() == out.shape[1] - 1, source
+    finally:
+        handle.remove()
+    assert walks
