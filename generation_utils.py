@@ -203,8 +203,9 @@ def spec_generate(
             later ones the last N - 1 cached positions plus the step's new ones (up to N + 15).
         inference_mode: run the forwards under ``torch.inference_mode()`` (default; drafter and target
             forwards are about 10% cheaper on CPU than under ``no_grad``). The returned ``sequences``
-            are ordinary tensors either way; pass False when tensors made during the call must be
-            usable by autograd afterwards (e.g. features kept by the caller's own forward hooks).
+            and cache are ordinary tensors either way (``cache_reuse.leave_inference_mode``); pass False
+            when tensors made during the call must be usable by autograd afterwards (e.g. features kept
+            by the caller's own forward hooks).
         mask_token_id: override of ``draft.config.mask_token_id``.
         pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, token_type_ids,
             mm_token_type_ids, image_sizes, ... (keywords): a vision-language target's own inputs, any name
