@@ -30,7 +30,7 @@ try:
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
     from .decode_step import _prefill_commit, _sync, crop_cache, next_block_size
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
-    from .generation_arguments import _call_options, check_draft_window, check_vocab
+    from .generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from .generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from .generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
     from .generation_output import DFlashGenerateOutput, _assemble, _empty_output, per_slot_acceptance, plot_acceptance
@@ -47,7 +47,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
     from decode_step import _prefill_commit, _sync, crop_cache, next_block_size
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
-    from generation_arguments import _call_options, check_draft_window, check_vocab
+    from generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
     from generation_output import DFlashGenerateOutput, _assemble, _empty_output, per_slot_acceptance, plot_acceptance
@@ -100,7 +100,7 @@ def _through_generate(target, input_ids, attention_mask, loop, model_inputs=None
 def spec_generate(
     draft,
     target,
-    input_ids: torch.LongTensor,
+    input_ids: Optional[torch.LongTensor] = None,
     max_new_tokens=NOT_PASSED,
     stop_token_ids=None,
     temperature=NOT_PASSED,
@@ -147,7 +147,8 @@ def spec_generate(
             ``softmax(score / temperature)`` rows are the q of the rejection test (issue 21).
         target: the causal LM the draft was trained for (any device/dtype; features are cast).
         input_ids: ``(B, prompt_len)`` integer tensor (any integer dtype); rows of different lengths are
-            LEFT padded and described by ``attention_mask`` (1 = real token).
+            LEFT padded and described by ``attention_mask`` (1 = real token). Required; ``inputs_embeds``
+            is refused by name, with or without it (the loop drafts and verifies token ids).
         max_new_tokens, temperature, do_sample, top_k, top_p, min_p, return_dict_in_generate,
             output_scores, output_logits, and any other ``GenerationConfig`` field as a keyword: as in
             ``generate``. Left out = "not passed" (the merged config decides); an explicit ``None`` means
@@ -258,7 +259,7 @@ def spec_generate(
 
     Raises:
         TypeError: a keyword that is neither a ``GenerationConfig`` field nor an argument here.
-        ValueError: bad input (ids, mask, non-integer ``block_size``/``max_new_tokens``, sampling
+        ValueError: bad input (ids or none, ``inputs_embeds``, mask, non-integer ``block_size``/``max_new_tokens``, sampling
             values out of range, a logits processor that cannot be copied) or a draft not built for this
             target (another vocabulary size included, naming both), before any forward pass; a passed
             cache with a batch, a padded prompt, as many tokens as ``input_ids``, or the static loop.
@@ -273,6 +274,7 @@ def spec_generate(
             inputs with the static loop, a passed cache or a longrope re-prefill, for Mllama, or for an
             M-RoPE target without ``get_rope_index`` (``target_families.vision_prompt``).
     """
+    check_token_prompt(input_ids, kwargs)
     _check_is_causal_lm(target)
     _families.check_family(target)
     vocab = target.get_input_embeddings().weight.shape[0]
