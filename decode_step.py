@@ -207,6 +207,26 @@ def _prefill_commit(run, first, scores, logits):
     return _batch_done(run, done, [1] * len(done))
 
 
+def _trim_to_batch_end(run) -> None:
+    """Cut a batch without an eos criterion at its end (the last row's first stop, ``_Stops.batch_end``):
+    each row's chunks, and with them its recorded scores/logits, its per-step statistics (the step cut is
+    capped as the budget caps a step: drafts and accepted drafts at most the tokens it keeps; later steps
+    dropped) and the timings' token count, so ``sum(row_acceptance_lengths[r]) == num_new_tokens[r] - 1``.
+
+    Source: issue 34 item 5: only the chunks were cut, so ``output_scores`` raised ``RuntimeError`` (more
+    scores than tokens) after the whole generation and the statistics counted the dropped tokens."""
+    out = run.out
+    for r, (k, n) in run.stops.trim(run.chunks).items():
+        if run.recorder is not None:
+            run.recorder.trim(r, k, n)
+        stats = (out.row_acceptance_lengths[r], out.row_draft_lengths[r], out.row_accepted_drafts[r])
+        kept = ([n], [min(stats[1][k - 1], n)], [min(stats[2][k - 1], n)]) if k else ([], [], [])
+        for stat, last in zip(stats, kept):  # step k - 1 made chunk k (chunk 0 is the prefill token)
+            stat[max(k - 1, 0):] = last
+    if out.timings is not None:
+        out.timings["new_tokens"] = sum(len(sum(c, [])) for c in run.chunks)
+
+
 def _forward_target(target, cache_kw, cache, tokens, positions, valid, windows, tokens_valid=None, record=True,
                     rope=None, **extra):
     """Target logits ``(A, n, V)`` for ``tokens`` at ``positions``, over cache slots marked ``valid``

@@ -423,3 +423,33 @@ def test_without_eos_stop_strings_at_a_rows_prefill_token_like_generate(oracle, 
                               cache_implementation=cache_implementation, **kw)
     assert torch.equal(out, ref), (out[:, ids.shape[1]:].tolist(), ref[:, ids.shape[1]:].tolist())
     assert ref.shape[1] == ids.shape[1] + 3
+
+
+def test_without_eos_scores_and_statistics_are_cut_at_the_batch_end(oracle):
+    """Issue 34 item 5: rows that committed past the batch end (row 0 all drafts right, several steps past it;
+    row 1 one draft right per step) keep scores and logits of the kept tokens only, equal to generate's, and
+    statistics that count them only (``sum(row_acceptance_lengths[r]) == num_new_tokens[r] - 1``). Planted
+    bug caught: only the chunks trimmed (the code before): ``RuntimeError: The expanded size of the tensor``
+    after the generation (and, with the scores trimmed alone, ``sum([6, 6, 3]) != 7 - 1`` for row 0)."""
+    ids, mask = _left_pad(PROMPTS[:2])
+    full = TARGET.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    stops = _stop_tokens(full[:, ids.shape[1]:], [2, 7])
+    kw = dict(max_new_tokens=16, pad_token_id=0, stopping_criteria=[LastTokenIn(stops)], output_scores=True,
+              output_logits=True, return_dict_in_generate=True)
+    ref = TARGET.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    oracle(mask, full, lambda step, row: 5 if row == 0 else 1)
+    out = DRAFT.spec_generate(TARGET, ids, attention_mask=mask, temperature=0.0, output_timings=True, **kw)
+    assert torch.equal(out.sequences, ref.sequences) and out.sequences.shape[1] == ids.shape[1] + 7
+    assert len(out.scores) == len(ref.scores) == len(out.logits) == 7
+    for mine, theirs in ((out.scores, ref.scores), (out.logits, ref.logits)):
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b.float(), rtol=1e-4, atol=1e-4)
+    assert out.num_new_tokens == [7, 7]
+    for r in range(2):
+        lengths, drafted, accepted = (out.row_acceptance_lengths[r], out.row_draft_lengths[r],
+                                      out.row_accepted_drafts[r])
+        assert sum(lengths) == out.num_new_tokens[r] - 1 and len(lengths) == len(drafted) == len(accepted)
+        assert all(a <= min(d, n) for a, d, n in zip(accepted, drafted, lengths))
+    assert out.row_acceptance_lengths[0] == [6] and out.row_accepted_drafts[0] == [5]  # later steps dropped
+    assert out.acceptance_lengths == [a for row in out.row_acceptance_lengths for a in row]
+    assert out.timings["new_tokens"] == 14
