@@ -28,7 +28,7 @@ from transformers.utils import logging
 try:
     from .cache_reuse import Resume, check_passed_cache, pop_passed_cache
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
-    from .decode_step import _prefill_commit, _sync, crop_cache, next_block_size
+    from .decode_step import _prefill_commit, _sync, _trim_to_batch_end, crop_cache, next_block_size
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
     from .generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from .generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
@@ -45,7 +45,7 @@ try:
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import Resume, check_passed_cache, pop_passed_cache
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
-    from decode_step import _prefill_commit, _sync, crop_cache, next_block_size
+    from decode_step import _prefill_commit, _sync, _trim_to_batch_end, crop_cache, next_block_size
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
     from generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
@@ -371,7 +371,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
             with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
                         run, adaptive, rope_switch, passed_cache, vision, draft_window)
-    stops.trim(run.chunks)  # no eos criterion: rows end where the batch's last row stopped
+    _trim_to_batch_end(run)  # no eos criterion: rows end where the batch's last row stopped
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
         streamer.end()
