@@ -218,8 +218,8 @@ class Resume:
         return committed.new_tensor([kept]), [kept]
 
     def finish(self, out, rows, draft_cache) -> None:
-        """Attach the draft context to the returned cache and put it in ``out`` (field ``CACHE_FIELD``),
-        both holding ordinary tensors (``leave_inference_mode``)."""
+        """Attach the draft context to the returned cache and put it in ``out`` (field ``CACHE_FIELD``); the
+        caller makes its tensors ordinary (``leave_inference_mode``) where the cache reaches the user."""
         if self.returned is None:
             return
         length = self.target_cache.get_seq_length()
@@ -227,7 +227,6 @@ class Resume:
         covered = self.origin + draft_cache.get_seq_length() + (0 if pending is None else pending.features.shape[1])
         assert covered == length, f"draft context covers {covered} positions, the target cache {length}"
         setattr(self.returned, DRAFT_CONTEXT, DraftContext(draft_cache, pending, self.origin, length, self.owner))
-        leave_inference_mode(self.returned)
         out[CACHE_FIELD] = self.returned
 
 
@@ -255,10 +254,13 @@ def leave_inference_mode(cache) -> None:
     generate and a later ``inference_mode=False`` call do so (hybrid layers' ``copy_``). Cost: one copy of
     each such tensor once per call, a tensor at a time (as much as one verify step's ``DynamicCache`` update,
     which concatenates every layer's K/V: 96 ms for 288 MiB, 36 layers x 2k tokens in bf16, on one CPU
-    thread); nothing is copied after a call run without inference mode.
+    thread), only where the cache reaches the user (a passed cache, or ``return_dict_in_generate``); nothing
+    is copied after a call run without inference mode. ``cache`` None: nothing to do.
 
     Source: issue 34 item 4 ("Inplace update to inference tensor outside InferenceMode is not allowed" when a
     hybrid target's cache returned by spec_generate was continued by generate)."""
+    if cache is None:
+        return
     context = getattr(cache, DRAFT_CONTEXT, None)
     holders = [cache, *getattr(cache, "layers", [])]
     if context is not None:

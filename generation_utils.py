@@ -26,7 +26,7 @@ from transformers.utils import logging
 # The modules below hold the pieces; this one holds the public entry and the loops that orchestrate them.
 # Every name of this module's `__all__` before the split stays importable from here.
 try:
-    from .cache_reuse import Resume, check_passed_cache, pop_passed_cache
+    from .cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
     from .decode_step import _prefill_commit, _sync, _trim_to_batch_end, crop_cache, next_block_size
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
@@ -43,7 +43,7 @@ try:
     from .target_taps import capture_target_features
     from .user_processors import check_copyable
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
-    from cache_reuse import Resume, check_passed_cache, pop_passed_cache
+    from cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_params, _forward_target
     from decode_step import _prefill_commit, _sync, _trim_to_batch_end, crop_cache, next_block_size
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
@@ -371,6 +371,8 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
             with capture_target_features(target, draft.config.target_layer_ids, _families.draft_device(draft)) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
                         run, adaptive, rope_switch, passed_cache, vision, draft_window)
+    if return_dict or passed_cache is not None:  # the cache reaches the user: no inference tensors in it
+        leave_inference_mode(out.get(CACHE_FIELD))
     _trim_to_batch_end(run)  # no eos criterion: rows end where the batch's last row stopped
     _assemble(out, input_ids, run, pad)
     if streamer is not None:

@@ -364,7 +364,6 @@ def test_demo_reports_bf16_differences_and_exits_0(capsys):
     assert demo.report_differences([], "float32", str) == 0
 
 
-
 # ----------------------------------------------------------------------------- subclasses of transformers' processors
 
 
