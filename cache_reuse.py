@@ -125,14 +125,23 @@ def check_passed_cache(cache, input_ids: torch.Tensor, mask: torch.Tensor, targe
 
 
 class _ShiftedDraft:
-    """The draft seen with positions shifted by ``origin`` (its context starts there): same ``config``,
-    called as the loop calls it, with ``position_ids - origin``."""
+    """The draft seen with positions shifted by ``origin`` (its context starts there): called as the loop
+    calls it, with ``position_ids - origin``; every other attribute is the draft's own (``config``, a
+    DFlash 2 drafter's ``selector_inputs`` and ``candidate_selector``, whatever a drafter kind adds).
+
+    Source: issue 34 item 3 (the wrapper forwarded ``config`` only: a DFlash 2 drafter continuing from a
+    cache without draft context raised ``AttributeError: ... 'selector_inputs'``)."""
 
     def __init__(self, draft, origin: int):
-        self.draft, self.origin, self.config = draft, origin, draft.config
+        self.draft, self.origin = draft, origin
 
     def __call__(self, position_ids, **kwargs):
         return self.draft(position_ids=position_ids - self.origin, **kwargs)
+
+    def __getattr__(self, name):  # only for names not set in __init__: everything but the call is the draft's
+        if name == "draft":  # not yet set (copy / unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.draft, name)
 
 
 class Resume:
@@ -209,7 +218,8 @@ class Resume:
         return committed.new_tensor([kept]), [kept]
 
     def finish(self, out, rows, draft_cache) -> None:
-        """Attach the draft context to the returned cache and put it in ``out`` (field ``CACHE_FIELD``)."""
+        """Attach the draft context to the returned cache and put it in ``out`` (field ``CACHE_FIELD``); the
+        caller makes its tensors ordinary (``leave_inference_mode``) where the cache reaches the user."""
         if self.returned is None:
             return
         length = self.target_cache.get_seq_length()
@@ -220,5 +230,46 @@ class Resume:
         out[CACHE_FIELD] = self.returned
 
 
+def _ordinary(value):
+    """``value`` with each inference tensor in it (nested in dicts, lists, tuples) an ordinary copy; dicts
+    and lists are updated in place, anything else is returned as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.is_inference() else value
+    if isinstance(value, dict):
+        value.update((key, _ordinary(item)) for key, item in list(value.items()))
+    elif isinstance(value, list):
+        value[:] = [_ordinary(item) for item in value]
+    elif isinstance(value, tuple):
+        return tuple(_ordinary(item) for item in value)
+    return value
+
+
+def leave_inference_mode(cache) -> None:
+    """Make the cache ``spec_generate`` hands back, and the draft context attached to it, usable outside
+    ``torch.inference_mode``: every inference tensor they hold (any cache layer kind's attributes: full and
+    sliding K/V, linear-attention ``conv_states`` / ``recurrent_states``; the draft's K/V, the pending
+    features and positions) becomes an ordinary copy, in place (the cache object stays the caller's).
+
+    Tensors made under ``inference_mode`` (the loop's default) cannot be updated in place outside it, and
+    generate and a later ``inference_mode=False`` call do so (hybrid layers' ``copy_``). Cost: one copy of
+    each such tensor once per call, a tensor at a time (as much as one verify step's ``DynamicCache`` update,
+    which concatenates every layer's K/V: 96 ms for 288 MiB, 36 layers x 2k tokens in bf16, on one CPU
+    thread), only where the cache reaches the user (a passed cache, or ``return_dict_in_generate``); nothing
+    is copied after a call run without inference mode. ``cache`` None: nothing to do.
+
+    Source: issue 34 item 4 ("Inplace update to inference tensor outside InferenceMode is not allowed" when a
+    hybrid target's cache returned by spec_generate was continued by generate)."""
+    if cache is None:
+        return
+    context = getattr(cache, DRAFT_CONTEXT, None)
+    holders = [cache, *getattr(cache, "layers", [])]
+    if context is not None:
+        holders += [context.draft_cache, *getattr(context.draft_cache, "layers", []), context.pending]
+    with torch.inference_mode(False):
+        for holder in holders:
+            for name, value in list(vars(holder).items() if holder is not None else ()):
+                setattr(holder, name, _ordinary(value))
+
+
 __all__ = ["CACHE_FIELD", "CACHE_NAMES", "DRAFT_CONTEXT", "DraftContext", "Resume", "check_passed_cache",
-           "pop_passed_cache"]
+           "leave_inference_mode", "pop_passed_cache"]

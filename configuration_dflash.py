@@ -14,6 +14,8 @@ import copy
 import inspect
 import logging
 import math
+import re
+from typing import Optional
 
 try:
     from transformers import PreTrainedConfig
@@ -43,6 +45,23 @@ REFUSED_KEYS = {
                                    "MiMo style) is not implemented; express windows with layer_types"),
 }
 REFUSED_ARCHITECTURES = {"MuseGlimmerAssistantModel": _MUSE_GLIMMER_V1}
+# The draft architectures this package implements: the ONE allow-list, read by the config (so every loading
+# path), and the converter. Any other ``architectures`` value is refused by name (issue 34: a DeepSpec DSpark
+# folder loaded as a DFlash 1 drafter, its extra tensors and keys ignored, and drafted one position off).
+DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+_DSPARK = ("a DSpark drafter (DeepSpec: Markov and confidence heads, its own embed_tokens / lm_head, slot k "
+           "drafting position start + k + 1), not supported yet; this package implements {}")
+_NOT_IMPLEMENTED = "not a DFlash draft architecture this package implements (expected one of {})"
+# Tensors that published drafters may carry and this package does not use: loading drops them by name with one
+# note, and the converter's key map (convert/keymap.py) drops the same. Nothing else is ever dropped.
+UNUSED_TENSORS = (
+    # Rotary frequencies are recomputed from the config (never stored by the published drafts).
+    (r"^(?:model\.)?(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$", "rotary buffer, recomputed from config"),
+    # Frozen copies of the target's embedding / LM head saved by some training exports: DFlash borrows
+    # the target's own (notes section 1), so these are not part of the draft.
+    (r"^(?:model\.)?embed_tokens\.weight$", "copy of the target's input embedding"),
+    (r"^lm_head\.weight$", "copy of the target's LM head"),
+)
 REFUSED_MODEL_TYPES = {"muse_glimmer_assistant": _MUSE_GLIMMER_V1}
 # dflash_config entries that are read (everything else there is warned about once).
 NESTED_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "causal", "is_causal", "input_embedding_scale",
@@ -63,9 +82,9 @@ _IGNORED_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "a
 def refuse_unhonourable(config_dict: dict, nested: dict) -> None:
     """Raise ValueError for any key of [`REFUSED_KEYS`] (top level or in ``dflash_config``) that is
     set, or a refused architecture, naming the key, its value and what cannot be honoured."""
-    for arch in config_dict.get("architectures") or []:
-        if arch in REFUSED_ARCHITECTURES:
-            raise ValueError(f"architectures={config_dict['architectures']!r}: {REFUSED_ARCHITECTURES[arch]}")
+    refusal = architecture_refusal(config_dict.get("architectures"))
+    if refusal:
+        raise ValueError(refusal)
     if config_dict.get("model_type") in REFUSED_MODEL_TYPES:
         raise ValueError(f"model_type={config_dict['model_type']!r}: {REFUSED_MODEL_TYPES[config_dict['model_type']]}")
     for where, source in (("", config_dict), ("dflash_config.", nested)):
@@ -76,6 +95,38 @@ def refuse_unhonourable(config_dict: dict, nested: dict) -> None:
     if draft_vocab is not None and vocab is not None and draft_vocab != vocab:
         raise ValueError(f"drafter config key draft_vocab_size={draft_vocab} != vocab_size={vocab} cannot be honoured: "
                          f"{_REDUCED_VOCAB}")
+
+
+def architecture_refusal(architectures) -> Optional[str]:
+    """Why a config's ``architectures`` list cannot be loaded here, naming the value, or None when every
+    entry is one of [`DRAFT_ARCHITECTURES`] (or the list is empty: the SpecForge dialect may omit it).
+    Refused: the Muse Glimmer v1 assistant, any DSpark name (``Qwen3DSparkModel``, ``Gemma4DSparkModel``,
+    ...: "a DSpark drafter, not supported yet") and any other name (issue 34)."""
+    for arch in architectures or []:
+        if arch in REFUSED_ARCHITECTURES:
+            return f"architectures={list(architectures)!r}: {REFUSED_ARCHITECTURES[arch]}"
+        if arch not in DRAFT_ARCHITECTURES:
+            why = _DSPARK if "dspark" in str(arch).lower() else _NOT_IMPLEMENTED
+            return f"architectures={list(architectures)!r}: {arch!r} is " + why.format(list(DRAFT_ARCHITECTURES))
+    return None
+
+
+def check_loading_info(pretrained_model_name_or_path, info: dict) -> None:
+    """Refuse a load whose ``info`` (``output_loading_info``) names missing, unexpected or misshapen tensors;
+    unexpected ones of ``UNUSED_TENSORS`` are dropped with one warning naming them (issue 34).
+
+    Raises:
+        ValueError: naming the folder and every missing, unexpected or misshapen tensor.
+    """
+    problems = {name: sorted(map(str, info.get(name) or ())) for name in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    unused = [key for key in problems["unexpected_keys"] if any(re.match(p, key) for p, _ in UNUSED_TENSORS)]
+    problems["unexpected_keys"] = [key for key in problems["unexpected_keys"] if key not in unused]
+    if any(problems.values()):
+        raise ValueError(f"drafter checkpoint {str(pretrained_model_name_or_path)!r} does not match the model built from "
+                         f"its config: {', '.join(f'{k} {v}' for k, v in problems.items() if v)}")
+    if unused:
+        logger.warning("%s: dropped tensors this package does not use: %s", pretrained_model_name_or_path,
+                       ", ".join(unused))
 
 
 def legacy_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -168,8 +219,8 @@ class DFlashConfig(PreTrainedConfig):
 
     Raises:
         ValueError: at construction, naming the bad value: any key of ``REFUSED_KEYS`` (reduced draft
-            vocabularies, attention sink biases, partial rotary, ``use_swa``), a refused architecture or
-            model type (the Muse Glimmer v1 assistant dialect), per-layer-type rope with differing values;
+            vocabularies, attention sink biases, partial rotary, ``use_swa``), an architecture not in
+            ``DRAFT_ARCHITECTURES`` (DSpark, the Muse Glimmer v1 assistant...) or a refused model type, per-layer-type rope with differing values;
             a partial or invalid set of DFlash 2 keys (group size not dividing ``hidden_size``...); missing or duplicate or negative
             ``target_layer_ids``, ``mask_token_id`` outside ``[0, vocab_size)``, ``block_size < 1``,
             ``layer_types`` of the wrong length or with an unknown type, a sliding layer without window.
@@ -291,6 +342,15 @@ class DFlashConfig(PreTrainedConfig):
         self.target_model_id = target_model_id
         self.target_revision = target_revision
         self._validate_dflash()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """``PreTrainedConfig.from_pretrained``; a config this package refuses (``ValueError``) names the folder
+        too, on every loading path (``AutoConfig``, ``AutoModel``, the drafters' ``from_pretrained``)."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        except ValueError as err:
+            raise ValueError(f"drafter {str(pretrained_model_name_or_path)!r}: {err}") from err
 
     @staticmethod
     def names_dflash2(values: dict) -> bool:
@@ -420,4 +480,5 @@ _ALWAYS_SAVED = (
 )
 
 
-__all__ = ["DFLASH2_KEYS", "DFlashConfig", "legacy_target_layer_ids", "normalize_rope"]
+__all__ = ["DFLASH2_KEYS", "DRAFT_ARCHITECTURES", "UNUSED_TENSORS", "DFlashConfig", "architecture_refusal",
+           "check_loading_info", "legacy_target_layer_ids", "normalize_rope"]

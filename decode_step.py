@@ -149,48 +149,80 @@ def _commit(run, rows, accepted, drafts, next_token, scores, logits):
     drafted = drafts.shape[1]
     host = torch.cat([accepted[:, None], drafts, next_token[:, None]], dim=1).tolist()  # the step's only sync
     remaining = [run.stops.budget - n for n in rows.host_new]
-    n_new = rows.host_new
     for i, (r, (a, *row)) in enumerate(zip(rows.host_ids, host)):
         counts.append(a + 1)
-        take = (row[:a] + row[-1:])[: min(a + 1, remaining[i])]
-        start = n_new[i] + (run.history.prompt_len if run.history is not None else 0)
-        if run.history is not None:
-            run.history.write(r, start, take)
-        cut, stopped = run.stops.cut(take, run.history, r, start)
-        take, stopped = run.stops.keep_generating(r, n_new[i], take, cut, stopped)
-        if stopped and run.history is not None:
-            run.history.pad_from(r, start + len(take))  # generate pads a finished row (processors see it)
-        totals.append(n_new[i] + len(take))
-        run.chunks[r].append(take)
+        take, finished = _commit_row(run, r, rows.host_new[i], (row[:a] + row[-1:])[: min(a + 1, remaining[i])],
+                                     remaining[i], None if scores is None else scores[i], logits[i])
+        totals.append(rows.host_new[i] + len(take))
         run.out.row_acceptance_lengths[r].append(len(take))
         run.out.row_draft_lengths[r].append(min(drafted, remaining[i]))
         run.out.row_accepted_drafts[r].append(min(a, remaining[i]))
-        if run.recorder is not None:
-            run.recorder.add(r, len(take), None if scores is None else scores[i], logits[i])
-        done.append(stopped or len(take) >= remaining[i])
+        done.append(finished)
         if run.streamer is not None:
             run.streamer.put(torch.tensor(take))
-    end = run.stops.batch_end()  # no eos criterion: stopped rows run on until every row has stopped
-    if end is not None:
-        done = [d or total >= end for d, total in zip(done, totals)]
-    return counts, done
+    return counts, _batch_done(run, done, totals)
+
+
+def _commit_row(run, r, n_before: int, take: list, remaining: int, scores, logits):
+    """Row ``r``'s committed tokens ``take`` (host ints, already cut to the budget; the row had ``n_before``
+    new tokens and ``remaining`` of its budget): the one per-token rule of the prefill token and of every
+    verify step. Written to the history, cut right after the first stopping token (without an eos
+    criterion in a batch the stop is only recorded and the row keeps every token, ``_Stops.keep_generating``),
+    the history padded after a stop, appended to ``run.chunks[r]``, its scores ``(>= len(take), V)``
+    recorded. Returns ``(take, done)``.
+
+    Source: issue 34 item 1: the prefill's commit skipped ``keep_generating``, so an eos-less batch row
+    stopped at its first token was padded and the other rows ran to ``max_new_tokens``."""
+    start = n_before + (run.history.prompt_len if run.history is not None else 0)
+    if run.history is not None:
+        run.history.write(r, start, take)
+    cut, stopped = run.stops.cut(take, run.history, r, start)
+    take, stopped = run.stops.keep_generating(r, n_before, take, cut, stopped)
+    if stopped and run.history is not None:
+        run.history.pad_from(r, start + len(take))  # generate pads a finished row (processors see it)
+    run.chunks[r].append(take)
+    if run.recorder is not None:
+        run.recorder.add(r, len(take), scores, logits)
+    return take, stopped or len(take) >= remaining
+
+
+def _batch_done(run, done: list, totals: list) -> list:
+    """``done`` (host bools, one per row) with every row that reached the batch end (``totals``: its new
+    tokens) set: no eos criterion, so stopped rows run on until every row has stopped."""
+    end = run.stops.batch_end()
+    if end is None:
+        return done
+    return [d or total >= end for d, total in zip(done, totals)]
 
 
 def _prefill_commit(run, first, scores, logits):
-    """The prefill token of every row: history, stops, statistics-free. Returns ``(B,)`` bool done."""
-    done = []
-    for r, token in enumerate(first.tolist()):
-        start = run.history.prompt_len if run.history is not None else 0
-        if run.history is not None:
-            run.history.write(r, start, [token])
-        take, stopped = run.stops.cut([token], run.history, r, start)
-        run.chunks[r].append(take)
-        if run.recorder is not None:
-            run.recorder.add(r, 1, scores[r: r + 1], logits[r: r + 1])
-        done.append(stopped or run.stops.budget <= 1)
+    """The prefill token ``first`` ``(B,)`` of every row, through ``_commit_row`` (no statistics: it is no
+    verify step); ``scores``/``logits`` ``(B, V)`` or None. Returns ``(B,)`` host bools: done."""
+    done = [_commit_row(run, r, 0, [token], run.stops.budget, None if scores is None else scores[r: r + 1],
+                        logits[r: r + 1])[1] for r, token in enumerate(first.tolist())]
     if run.streamer is not None:
         run.streamer.put(first.cpu())
-    return done
+    return _batch_done(run, done, [1] * len(done))
+
+
+def _trim_to_batch_end(run) -> None:
+    """Cut a batch without an eos criterion at its end (the last row's first stop, ``_Stops.batch_end``):
+    each row's chunks, and with them its recorded scores/logits, its per-step statistics (the step cut is
+    capped as the budget caps a step: drafts and accepted drafts at most the tokens it keeps; later steps
+    dropped) and the timings' token count, so ``sum(row_acceptance_lengths[r]) == num_new_tokens[r] - 1``.
+
+    Source: issue 34 item 5: only the chunks were cut, so ``output_scores`` raised ``RuntimeError`` (more
+    scores than tokens) after the whole generation and the statistics counted the dropped tokens."""
+    out = run.out
+    for r, (k, n) in run.stops.trim(run.chunks).items():
+        if run.recorder is not None:
+            run.recorder.trim(r, k, n)
+        stats = (out.row_acceptance_lengths[r], out.row_draft_lengths[r], out.row_accepted_drafts[r])
+        kept = ([n], [min(stats[1][k - 1], n)], [min(stats[2][k - 1], n)]) if k else ([], [], [])
+        for stat, last in zip(stats, kept):  # step k - 1 made chunk k (chunk 0 is the prefill token)
+            stat[max(k - 1, 0):] = last
+    if out.timings is not None:
+        out.timings["new_tokens"] = sum(len(sum(c, [])) for c in run.chunks)
 
 
 def _forward_target(target, facts, cache, tokens, positions, valid, tokens_valid=None, record=True, rope=None,
@@ -219,12 +251,18 @@ def _forward_target(target, facts, cache, tokens, positions, valid, tokens_valid
 
 
 def next_block_size(block_size: int, longest: int, adaptive: bool) -> int:
-    """Block size of the next step. Fixed unless ``adaptive``: then twice the longest acceptance
-    (``longest``, anchor included) of the step just verified, so a fully accepted block doubles and a
-    short acceptance shrinks the block, clamped to ``[2, block_size]``."""
+    """Block size of the next step, an int in ``[1, block_size]`` (the call's block size). Fixed unless
+    ``adaptive``: then twice the longest acceptance (``longest``, anchor included) of the step just
+    verified, so a fully accepted block doubles and a short acceptance shrinks the block, clamped to
+    ``[min(2, block_size), block_size]``: at least one draft when the call drafts at all, never more
+    slots than the call's block size.
+
+    Source: issue 34 item 2. The lower bound 2 used to win over ``block_size=1``: 2-token blocks were
+    verified with the loop's one position offset (a wrong bonus token), then the shapes broke (RuntimeError).
+    """
     if not adaptive:
         return block_size
-    return max(2, min(block_size, 2 * longest))
+    return min(block_size, max(2, 2 * longest))
 
 
 __all__ = ["crop_cache"]

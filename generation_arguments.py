@@ -188,6 +188,23 @@ def _check_is_causal_lm(target):
         raise ValueError(f"target must be a causal LM (an AutoModelForCausalLM), got {type(target).__name__}")
 
 
+def check_token_prompt(input_ids, kwargs: dict) -> None:
+    """Refuse ``inputs_embeds`` by name (with or without ``input_ids``) and a call without ``input_ids``,
+    before any forward. The loop prefills, drafts and verifies token ids, so embeddings would be ignored
+    or wrong silently; issue 34: ``generate(inputs_embeds=..., custom_generate=<drafter>)`` raised
+    ``TypeError: spec_generate() missing ... 'input_ids'``, which did not name ``inputs_embeds``.
+
+    Raises:
+        ValueError: ``kwargs["inputs_embeds"]`` is not None (its shape named), or ``input_ids`` is None.
+    """
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is not None:
+        raise ValueError(f"inputs_embeds (shape {tuple(getattr(embeds, 'shape', ()))}) is not supported by DFlash "
+                         "speculative decoding, with or without input_ids: pass the prompt as token ids (input_ids)")
+    if input_ids is None:
+        raise ValueError("spec_generate needs input_ids, the prompt's token ids (batch, prompt_len); got none")
+
+
 def _prepare_inputs(input_ids, attention_mask, vocab_size):
     """Validate ``input_ids`` ``(B, L)`` (any integer dtype, returned as int64) and the left-padding
     ``attention_mask``; returns ``(input_ids, mask)``."""

@@ -36,11 +36,13 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
 
     Speculative statistics (one definition, read by README, demo and benchmarks):
         acceptance_lengths: tokens each verify step committed, bonus included, all rows in row order.
-            Tokens past a row's budget or stop are not counted; the prefill token is not counted.
+            Tokens past a row's budget or stop are not counted, nor those past the batch end of a batch
+            without an eos criterion (steps wholly past it are dropped); the prefill token is not counted.
         row_acceptance_lengths: the same, one list per row; ``sum(row) == num_new_tokens[r] - 1``.
         row_draft_lengths: drafts proposed per verify step, per row (``b - 1``, capped by the row's
-            remaining budget: a slot not drafted is not a rejection).
-        row_accepted_drafts: drafts the verifier accepted per step, per row (before any stop cut).
+            remaining budget or by the tokens a step keeps before such a batch end: a slot not drafted is
+            not a rejection).
+        row_accepted_drafts: drafts the verifier accepted per step, per row (capped alike, before any stop cut).
         num_new_tokens: new tokens per row.
         num_draft_forwards / num_target_forwards: forward passes (the target's include the prefill).
         timings: with ``output_timings=True``: ``prefill_s``, ``decode_s``, ``total_s`` (seconds,

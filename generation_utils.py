@@ -27,12 +27,12 @@ from transformers.utils import logging
 # The modules below hold the pieces; this one holds the public entry and the loops that orchestrate them.
 # Every name of this module's `__all__` before the split stays importable from here.
 try:
-    from .cache_reuse import Resume, check_passed_cache, pop_passed_cache
+    from .cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
-    from .decode_step import _prefill_commit, _sync, crop_cache, next_block_size
+    from .decode_step import _prefill_commit, _sync, _trim_to_batch_end, crop_cache, next_block_size
     from .proposers import BlockProposer, Proposal, proposer_for
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
-    from .generation_arguments import _call_options, check_draft_window, check_vocab
+    from .generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from .generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from .generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
     from .generation_output import DFlashGenerateOutput, _assemble, _empty_output, per_slot_acceptance, plot_acceptance
@@ -46,12 +46,12 @@ try:
     from .target_taps import capture_target_features
     from .user_processors import check_copyable
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
-    from cache_reuse import Resume, check_passed_cache, pop_passed_cache
+    from cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
-    from decode_step import _prefill_commit, _sync, crop_cache, next_block_size
+    from decode_step import _prefill_commit, _sync, _trim_to_batch_end, crop_cache, next_block_size
     from proposers import BlockProposer, Proposal, proposer_for
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
-    from generation_arguments import _call_options, check_draft_window, check_vocab
+    from generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
     from generation_output import DFlashGenerateOutput, _assemble, _empty_output, per_slot_acceptance, plot_acceptance
@@ -105,7 +105,7 @@ def _through_generate(target, input_ids, attention_mask, loop, model_inputs=None
 def spec_generate(
     draft,
     target,
-    input_ids: torch.LongTensor,
+    input_ids: Optional[torch.LongTensor] = None,
     max_new_tokens=NOT_PASSED,
     stop_token_ids=None,
     temperature=NOT_PASSED,
@@ -152,7 +152,8 @@ def spec_generate(
             ``softmax(score / temperature)`` rows are the q of the rejection test (issue 21).
         target: the causal LM the draft was trained for (any device/dtype; features are cast).
         input_ids: ``(B, prompt_len)`` integer tensor (any integer dtype); rows of different lengths are
-            LEFT padded and described by ``attention_mask`` (1 = real token).
+            LEFT padded and described by ``attention_mask`` (1 = real token). Required; ``inputs_embeds``
+            is refused by name, with or without it (the loop drafts and verifies token ids).
         max_new_tokens, temperature, do_sample, top_k, top_p, min_p, return_dict_in_generate,
             output_scores, output_logits, and any other ``GenerationConfig`` field as a keyword: as in
             ``generate``. Left out = "not passed" (the merged config decides); an explicit ``None`` means
@@ -189,8 +190,9 @@ def spec_generate(
             committed chunk, never a token past a stop.
         output_timings: add device-synchronised wall-clock timings (seconds) to the output.
         adaptive_block_size: off by default. When True, each step drafts a block of twice the
-            previous step's longest acceptance (anchor included), within ``[2, block_size]``: a fully
-            accepted block doubles, a short acceptance shrinks the next block. Outputs are unchanged.
+            previous step's longest acceptance (anchor included), within ``[min(2, block_size), block_size]``
+            (``block_size=1`` stays at 1): a fully accepted block doubles, a short acceptance shrinks the
+            next block. Outputs are unchanged.
         draft_window: None (default: the draft attends over the whole context), or an integer N >= 1: every
             draft layer attends to at most the last N context positions before the anchor, plus the block
             (a layer with its own ``sliding_window`` W keeps it too: W - 1 context positions before the
@@ -207,8 +209,9 @@ def spec_generate(
             later ones the last N - 1 cached positions plus the step's new ones (up to N + 15).
         inference_mode: run the forwards under ``torch.inference_mode()`` (default; drafter and target
             forwards are about 10% cheaper on CPU than under ``no_grad``). The returned ``sequences``
-            are ordinary tensors either way; pass False when tensors made during the call must be
-            usable by autograd afterwards (e.g. features kept by the caller's own forward hooks).
+            and cache are ordinary tensors either way (``cache_reuse.leave_inference_mode``); pass False
+            when tensors made during the call must be usable by autograd afterwards (e.g. features kept
+            by the caller's own forward hooks).
         mask_token_id: override of ``draft.config.mask_token_id``.
         pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, token_type_ids,
             mm_token_type_ids, image_sizes, ... (keywords): a vision-language target's own inputs, any name
@@ -261,7 +264,7 @@ def spec_generate(
 
     Raises:
         TypeError: a keyword that is neither a ``GenerationConfig`` field nor an argument here.
-        ValueError: bad input (ids, mask, non-integer ``block_size``/``max_new_tokens``, sampling
+        ValueError: bad input (ids or none, ``inputs_embeds``, mask, non-integer ``block_size``/``max_new_tokens``, sampling
             values out of range, a logits processor that cannot be copied) or a draft not built for this
             target (another vocabulary size included, naming both), before any forward pass; a passed
             cache with a batch, a padded prompt, as many tokens as ``input_ids``, or the static loop.
@@ -276,6 +279,7 @@ def spec_generate(
             inputs with the static loop, a passed cache or a longrope re-prefill, for Mllama, or for an
             M-RoPE target without ``get_rope_index`` (``target_families.vision_prompt``).
     """
+    check_token_prompt(input_ids, kwargs)
     _check_is_causal_lm(target)
     facts = TargetFacts.read(target, draft)  # what the loop needs to know about the target, read once
     vocab = facts.embed.weight.shape[0]
@@ -372,7 +376,9 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
             with capture_target_features(target, draft.config.target_layer_ids, facts.draft_device) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
                         run, facts, adaptive, passed_cache, vision, draft_window)
-    stops.trim(run.chunks)  # no eos criterion: rows end where the batch's last row stopped
+    if return_dict or passed_cache is not None:  # the cache reaches the user: no inference tensors in it
+        leave_inference_mode(out.get(CACHE_FIELD))
+    _trim_to_batch_end(run)  # no eos criterion: rows end where the batch's last row stopped
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
         streamer.end()

@@ -9,6 +9,7 @@ z-lab / SpecForge checkpoints, so they load strictly with no renaming.
 """
 
 import functools
+import logging
 import math
 import os
 import sys
@@ -34,7 +35,7 @@ if __package__:
 # imports of a local folder into its module cache (tests/test_remote_code.py checks this).
 try:
     from .cache_reuse import DraftContext  # noqa: F401
-    from .configuration_dflash import DFlashConfig
+    from .configuration_dflash import DFlashConfig, check_loading_info
     from .custom_generate_template import generate as _custom_generate  # noqa: F401
     from .decode_step import crop_cache  # noqa: F401
     from .dflash2 import CODEBOOK_KEY_MAPPING, CandidateSelector, GroupedDynamicCausalConv, SelectorDraft, selector_walk
@@ -54,7 +55,7 @@ try:
     from .user_processors import check_copyable  # noqa: F401
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import DraftContext  # noqa: F401
-    from configuration_dflash import DFlashConfig
+    from configuration_dflash import DFlashConfig, check_loading_info
     from custom_generate_template import generate as _custom_generate  # noqa: F401
     from decode_step import crop_cache  # noqa: F401
     from dflash2 import CODEBOOK_KEY_MAPPING, CandidateSelector, GroupedDynamicCausalConv, SelectorDraft, selector_walk
@@ -573,21 +574,30 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """``PreTrainedModel.from_pretrained``, run by the folder's own remote code (see [`_folder_own_class`]).
+        """``PreTrainedModel.from_pretrained``, run by the folder's own remote code (see [`_folder_own_class`]),
+        strict: every tensor of the model must be in the folder, with its shape, and every tensor of the folder
+        must be the model's (issue 34: a folder without ``fc.weight`` ran with a random ``fc``, silently).
+        Tensors of ``UNUSED_TENSORS`` (published copies of the target's embedding / head, rotary buffers)
+        are dropped with one warning naming them. A DFlash 2 folder (``architectures`` names
+        ``DFlash2DraftModel`` or the config sets the DFlash 2 keys) loads as a [`DFlash2DraftModel`] (one info log).
 
-        A DFlash 2 folder (``architectures`` names ``DFlash2DraftModel`` or the config sets the DFlash 2
-        keys) loads as a [`DFlash2DraftModel`] (one info log), strictly: see its ``from_pretrained``.
+        Raises:
+            ValueError: before any forward, naming the folder and the missing, unexpected or (with
+                ``ignore_mismatched_sizes=True``) misshapen tensors; or (from ``DFlashConfig``) an
+                ``architectures`` value this package does not implement (DSpark...).
+            RuntimeError: transformers' own, naming a misshapen tensor (``size mismatch for fc.weight``).
         """
         own = _folder_own_class(cls, pretrained_model_name_or_path, kwargs)
         if own is not cls:
             return own.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         if not cls._is_dflash2_class and _names_dflash2(cls, pretrained_model_name_or_path, kwargs):
-            import logging
-
             logging.getLogger(__name__).info("%s is a DFlash 2 drafter: loading it as DFlash2DraftModel",
                                              pretrained_model_name_or_path)
             return cls._dflash2_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
+        check_loading_info(pretrained_model_name_or_path, info)
+        return (model, info) if wants_info else model
 
     @functools.wraps(_spec_generate.__func__)  # help() shows the full signature (less ``draft``) and docstring
     def spec_generate(self, *args, **kwargs):
@@ -682,8 +692,6 @@ class DFlash2DraftModel(DFlashDraftModel):
         native = ("noise_embeds", "context_hidden_states", "cache")
         if not self._native_warned and any(kwargs.get(k) is not None for k in native):
             self._native_warned = True
-            import logging
-
             logging.getLogger(__name__).warning(NATIVE_DFLASH2_WARNING)
         return super().forward(*args, **kwargs)
 
@@ -702,27 +710,18 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """``PreTrainedModel.from_pretrained``, strict: every tensor of the model must be in the folder and
-        every tensor of the folder must be the model's (a missing codebook would otherwise be re-initialised
+        """[`DFlashDraftModel.from_pretrained`] (strict: a missing codebook would otherwise be re-initialised
         with only a warning). Codebooks stored as ``...codebook.weight`` are read as the published names.
 
         Raises:
-            ValueError: naming the missing, unexpected or misshapen tensors.
+            ValueError: naming the folder and the missing, unexpected or misshapen tensors.
         """
-        own = _folder_own_class(cls, pretrained_model_name_or_path, kwargs)
-        if own is not cls:
-            return own.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         kwargs.setdefault("key_mapping", dict(CODEBOOK_KEY_MAPPING))
-        wants_info = kwargs.pop("output_loading_info", False)
-        model, info = super(DFlashDraftModel, cls).from_pretrained(pretrained_model_name_or_path, *model_args,
-                                                                   output_loading_info=True, **kwargs)
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
         if getattr(model, "_weight_conversions", None):  # transformers 5 would save the renamed keys renamed back
             model._weight_conversions = []
-        problems = {name: sorted(map(str, info.get(name) or ())) for name in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-        if any(problems.values()):
-            raise ValueError(f"DFlash 2 checkpoint {pretrained_model_name_or_path!r} does not match the model built from "
-                             f"its config: {', '.join(f'{k} {v}' for k, v in problems.items() if v)}")
-        return (model, info) if wants_info else model
+        return loaded
 
     def selector_inputs(self, hidden_states: torch.Tensor, head):
         """The selector's inputs for a drafted block.

@@ -235,7 +235,7 @@ def compiled(fn, compile_config):
 class _CallCaches:
     """The two caches of one static call: a transformers ``StaticCache`` of ``target_capacity`` slots and a
     [`StaticDraftContext`] of ``draft_capacity``, for targets/drafts of ``key`` (their dtypes, devices and
-    the draft's layer count). ``busy`` while a call uses them."""
+    the draft's ``draft_context_shape``). ``busy`` while a call uses them."""
 
     def __init__(self, target, key, target_capacity: int, draft_capacity: int, num_layers: int, device):
         self.key, self.target_capacity, self.draft_capacity = key, target_capacity, draft_capacity
@@ -251,6 +251,19 @@ _CALL_CACHES = weakref.WeakKeyDictionary()
 _CALL_CACHES_LOCK = threading.Lock()
 
 
+def draft_context_shape(draft) -> tuple:
+    """What fixes a [`StaticDraftContext`]'s buffers for ``draft``, besides the capacity: per draft layer
+    ``(kv_heads, head_dim, dtype, device)`` of its keys (``k_proj``'s weight; values have the same), so
+    ``len(result)`` is the layer count.
+
+    Source: issue 34 item 6. The kept caches were keyed by the layer count only, so a second drafter
+    with other ``num_key_value_heads`` or ``head_dim`` on the same target and thread got the first one's
+    buffers: ``index_copy_(): Source/destination tensor must have same slice shapes``."""
+    return tuple((layer.self_attn.k_proj.out_features // layer.self_attn.head_dim, layer.self_attn.head_dim,
+                  str(layer.self_attn.k_proj.weight.dtype), str(layer.self_attn.k_proj.weight.device))
+                 for layer in draft.layers)
+
+
 @contextlib.contextmanager
 def call_caches(target, draft, target_len: int, draft_len: int, device):
     """``(target StaticCache, StaticDraftContext)`` for one call of at most ``target_len`` target slots and
@@ -261,9 +274,10 @@ def call_caches(target, draft, target_len: int, draft_len: int, device):
     Why: a compiled forward's graph depends on the caches' shapes and reads their tensors at fixed
     addresses (``mark_static_address``); fresh caches at every call (or per prompt length) made dynamo
     compile again. The allocation is reused, never the contents. A call made while this thread's caches
-    are in use (re-entrant, e.g. from a streamer) gets private ones."""
-    key = (str(target.dtype), str(target.device), draft.config.num_hidden_layers, str(draft.fc.weight.dtype),
-           str(device))
+    are in use (re-entrant, e.g. from a streamer) gets private ones. "Fit the models": the same target
+    dtype and device, draft input dtype, call device and [`draft_context_shape`] (another drafter of other
+    attention shapes, dtype or device gets new caches, which are then kept)."""
+    key = (str(target.dtype), str(target.device), str(draft.fc.weight.dtype), str(device), draft_context_shape(draft))
     with _CALL_CACHES_LOCK:
         local = _CALL_CACHES.get(target)
         if local is None:

@@ -72,16 +72,21 @@ class _Stops:
             return None
         return max(self.stopped_at.values())
 
-    def trim(self, chunks: list) -> None:
-        """Cut every row's committed chunks at ``batch_end`` (rows may have committed past it)."""
-        end = self.batch_end()
-        for row in chunks if end is not None else ():
+    def trim(self, chunks: list) -> dict:
+        """Cut every row's committed chunks at ``batch_end`` (rows may have committed past it). Returns
+        ``{row: (k, n)}`` for each row cut: its chunk ``k`` keeps its first ``n`` tokens, later ones are dropped
+        (what else was recorded per chunk follows, ``decode_step._trim_to_batch_end``)."""
+        end, cuts = self.batch_end(), {}
+        for r, row in enumerate(chunks if end is not None else ()):
             total = 0
             for k, chunk in enumerate(row):
                 if total + len(chunk) >= end:
+                    if total + len(chunk) > end or k + 1 < len(row):
+                        cuts[r] = (k, end - total)
                     row[k:] = [chunk[: end - total]]
                     break
                 total += len(chunk)
+        return cuts
 
     def timed_out(self) -> bool:
         if not self.timers:  # the common case: no tensor built per step
@@ -106,6 +111,11 @@ class _Scores:
         for name, value in (("scores", scores), ("logits", logits)):
             if name in self.rows:
                 self.rows[name][row].append(value[:n].float())
+
+    def trim(self, row: int, k: int, n: int) -> None:
+        """Row ``row`` keeps its first ``k`` chunks' entries and ``n`` of chunk ``k``'s (``_Stops.trim``)."""
+        for rows in self.rows.values():
+            rows[row][k:] = [rows[row][k][:n]]
 
     def tuples(self, width: int):
         """name -> tuple of ``width`` tensors ``(B, V)``; NaN after a row's last token."""

@@ -11,6 +11,11 @@ import re
 
 from .errors import ConversionError
 
+try:  # run from the repository root
+    from configuration_dflash import UNUSED_TENSORS
+except ImportError:  # installed with `pip install .`
+    from dflash_hf.configuration_dflash import UNUSED_TENSORS
+
 # (pattern, replacement) pairs, tried in order; the first pattern that matches renames the key.
 KEY_RENAMES = (
     # DFlash 2 codebooks saved by a trainer's nn.Embedding (z-lab's own class loads the published names
@@ -20,15 +25,9 @@ KEY_RENAMES = (
     (re.compile(r"^model\.((?:fc|hidden_norm|norm)\.weight|layers\.\d+\..+|candidate_selector\..+)$"), r"\1"),
 )
 
-# Keys that are dropped on purpose, with the reason printed in the conversion plan.
-DROPPED_KEYS = (
-    # Rotary frequencies are recomputed from the config (never stored by the published drafts).
-    (re.compile(r"^(?:model\.)?(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$"), "rotary buffer, recomputed from config"),
-    # Frozen copies of the target's embedding / LM head saved by some training exports: DFlash borrows
-    # the target's own (notes section 1), so these are not part of the draft.
-    (re.compile(r"^(?:model\.)?embed_tokens\.weight$"), "copy of the target's input embedding"),
-    (re.compile(r"^lm_head\.weight$"), "copy of the target's LM head"),
-)
+# Keys that are dropped on purpose, with the reason printed in the conversion plan: the tensors that
+# ``from_pretrained`` drops too (``configuration_dflash.UNUSED_TENSORS``, the one list).
+DROPPED_KEYS = tuple((re.compile(pattern), reason) for pattern, reason in UNUSED_TENSORS)
 
 
 def drop_reason(key: str):

@@ -20,8 +20,8 @@ single or sharded, read with ``torch.load(weights_only=True)``.
 
 Refused with a message saying why: vllm-project/speculators DFlash exports (reduced draft vocabulary
 with ``d2t``/``t2d`` maps), the Muse Glimmer v1 assistant dialect (``MuseGlimmerAssistantModel``,
-``encoder.*`` weight names; z-lab ``tests/fixtures/assistant-config.json``), and any config that is
-not a Qwen3-dialect DFlash draft.
+``encoder.*`` weight names; z-lab ``tests/fixtures/assistant-config.json``), DSpark drafters, and any
+config that is not a Qwen3-dialect DFlash draft (``configuration_dflash.DRAFT_ARCHITECTURES``).
 """
 
 import contextlib
@@ -49,7 +49,6 @@ _DOWNLOAD_PATTERNS = ("config.json", "*.safetensors", SAFETENSORS_INDEX)
 _PICKLE_PATTERNS = ("pytorch_model*.bin", PICKLE_INDEX)
 # Config keys of dialects that the DFlash draft here cannot represent.
 _SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators_version")
-_DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 _MUSE_GLIMMER_V1 = ("MuseGlimmerAssistantModel", "muse_glimmer_assistant")
 
 
@@ -147,8 +146,9 @@ def detect_dialect(config: dict) -> str:
     model_type = config.get("model_type")
     if model_type != "qwen3":
         raise ConversionError(f"config model_type={model_type!r}: only Qwen3-dialect DFlash drafts (model_type 'qwen3') are supported")
-    if architectures and not set(_DRAFT_ARCHITECTURES) & set(architectures):
-        raise ConversionError(f"config architectures={architectures}: not a DFlash draft (expected one of {list(_DRAFT_ARCHITECTURES)})")
+    refusal = _architecture_refusal(architectures)
+    if refusal:
+        raise ConversionError(f"config {refusal}")
     if not architectures and "dflash_config" not in config:
         raise ConversionError("config has neither architectures ['DFlashDraftModel'] nor dflash_config: not a DFlash draft")
     auto_model = (config.get("auto_map") or {}).get("AutoModel", "")
@@ -157,6 +157,16 @@ def detect_dialect(config: dict) -> str:
     if auto_model:
         return "z-lab"
     return "specforge"
+
+
+def _architecture_refusal(architectures):
+    """``configuration_dflash.architecture_refusal``: the loader's one rule for which draft architectures are
+    implemented (DSpark and every other name refused), imported at call time so ``--help`` needs no torch."""
+    try:  # run from the repository root
+        from configuration_dflash import architecture_refusal
+    except ImportError:  # installed with `pip install .`
+        from dflash_hf.configuration_dflash import architecture_refusal
+    return architecture_refusal(architectures)
 
 
 def find_weight_files(folder: str, allow_pickle: bool = False) -> tuple[str, list]:

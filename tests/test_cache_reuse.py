@@ -9,7 +9,11 @@ on the draft-context assertion; the cache advanced past the output (``Resume.kep
 uncut counts) fails ``test_stop_inside_an_accepted_block_leaves_generates_cache``; the turn-2 prefill
 starting one token late (``input_ids[:, n + 1:]``) fails the prefill-token count and the equality; the
 draft's position shift removed (``_ShiftedDraft`` passing positions unshifted, or ``Resume.draft`` not
-wrapping) fails ``test_draft_without_context_for_the_cache_sees_the_suffix_from_position_0``.
+wrapping) fails ``test_draft_without_context_for_the_cache_sees_the_suffix_from_position_0``. Issue 34:
+``_ShiftedDraft`` forwarding ``config`` only fails both ``test_dflash2_drafter_*`` tests (AttributeError on ``selector_inputs``);
+``Resume.finish`` not calling ``leave_inference_mode`` fails
+``test_a_cache_returned_under_inference_mode_is_continued_outside_it`` (inference tensors in the returned
+cache; the hybrid case, without that check, on generate's RuntimeError).
 """
 
 import copy
@@ -330,3 +334,120 @@ def test_draft_without_context_for_the_cache_sees_the_suffix_from_position_0(mon
     out = draft.spec_generate(target, prompt, max_new_tokens=24, temperature=0.0, **{CACHE_FIELD: cache})
     assert torch.equal(out, _greedy(target, prompt, 24))
     assert max(compared) > 3  # calls with more cached context keys than the window were compared
+
+
+# ----------------------------------------------------------------------------- issue 34 items 3 and 4
+
+def _without_draft_context(source, target, prompt):
+    """``(cache, conversation)`` after ``prompt``, the cache carrying no context for a DFlash 2 drafter: built
+    by ``target.generate``, by the user's own prefill, or returned by ``spec_generate`` with another drafter."""
+    if source == "generate":
+        out = _greedy(target, prompt, 8, return_dict_in_generate=True)
+        return getattr(out, CACHE_FIELD), out.sequences
+    if source == "prefill":
+        return _prefill(target, prompt, _fresh_cache(target)), prompt
+    out = _pair("dense")[1].spec_generate(target, prompt, max_new_tokens=8, temperature=0.0,
+                                          return_dict_in_generate=True)
+    return getattr(out, CACHE_FIELD), out.sequences
+
+
+SOURCES = ["generate", "prefill", "another_drafter"]
+
+
+def _walks(draft):
+    """Counts the DFlash 2 selector walks (one hidden projection each); returns (list, handle)."""
+    calls = []
+    return calls, draft.candidate_selector.hidden_projection.register_forward_hook(lambda *a: calls.append(1))
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_dflash2_drafter_continues_from_a_cache_without_its_draft_context(source):
+    """Issue 34 item 3: a DFlash 2 drafter given a cache without its draft context runs through the position
+    shift (``cache_reuse._ShiftedDraft``), which must forward the drafter's whole interface (it forwarded
+    ``config`` only: AttributeError on ``selector_inputs``). Greedy equals generate on the whole conversation,
+    the walk ran, the passed cache advanced in place."""
+    from test_dflash2_generate import dflash2_draft
+
+    target, draft = _pair("dense")[0], dflash2_draft()
+    cache, conversation = _without_draft_context(source, target, _ids(40, 9))
+    turn = torch.cat([conversation, _ids(41, 4)], dim=1)
+    walks, handle = _walks(draft)
+    try:
+        out = draft.spec_generate(target, turn, max_new_tokens=12, temperature=0.0, return_dict_in_generate=True,
+                                  **{CACHE_FIELD: cache})
+    finally:
+        handle.remove()
+    assert torch.equal(out.sequences, _greedy(target, turn, 12))
+    assert walks and getattr(out, CACHE_FIELD) is cache and cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+def test_dflash2_drafter_continues_from_such_caches_through_custom_generate(tmp_path):
+    """Issue 34 item 3 on ``target.generate(custom_generate=<folder>, assistant_model=draft)``: the folder's own
+    modules (remote code) continue from each kind of cache without draft context, equal to generate."""
+    from test_dflash2_generate import dflash2_draft, loaded
+
+    target = _pair("dense")[0]
+    draft = loaded(dflash2_draft(), tmp_path, remote=True)
+    route = dict(custom_generate=str(tmp_path / "drafter"), trust_remote_code=True, assistant_model=draft,
+                 do_sample=False, max_new_tokens=12)
+    walks, handle = _walks(draft)
+    try:
+        for seed, source in enumerate(SOURCES):
+            cache, conversation = _without_draft_context(source, target, _ids(42 + seed, 9))
+            turn = torch.cat([conversation, _ids(45 + seed, 4)], dim=1)
+            out = target.generate(turn, **route, **{CACHE_FIELD: cache})
+            assert torch.equal(out, _greedy(target, turn, 12)), source
+            assert cache.get_seq_length() == out.shape[1] - 1, source
+    finally:
+        handle.remove()
+    assert walks
+
+
+def _inference_tensors(cache) -> list:
+    """Names of the inference tensors (made under ``torch.inference_mode``) in ``cache``, its layers and the
+    draft context attached to it: what cannot be updated in place outside inference mode."""
+    context = getattr(cache, DRAFT_CONTEXT, None)
+    holders = {"cache": cache, **{f"layer {i}": layer for i, layer in enumerate(cache.layers)}}
+    if context is not None:
+        holders.update({"draft cache": context.draft_cache, "pending": context.pending,
+                        **{f"draft layer {i}": layer for i, layer in enumerate(context.draft_cache.layers)}})
+    found = []
+    for where, holder in holders.items():
+        for name, value in (vars(holder).items() if holder is not None else ()):
+            values = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+            found += [f"{where}.{name}" for v in values if isinstance(v, torch.Tensor) and v.is_inference()]
+    return found
+
+
+INFERENCE_KINDS = ["dense", pytest.param("sliding", marks=pytest.mark.skipif(
+    CACHE_FIELD == "past_key_values", reason="4.57's sliding-window cache layers are refused (cannot be rolled back)")),
+    KINDS[-1]]
+
+
+@pytest.mark.parametrize("kind", INFERENCE_KINDS)
+def test_a_cache_returned_under_inference_mode_is_continued_outside_it(kind):
+    """Issue 34 item 4: spec_generate's default ``inference_mode=True`` made the returned cache (and its draft
+    context) of inference tensors, which generate and ``spec_generate(inference_mode=False)`` cannot update in
+    place (a hybrid target's linear-attention states: RuntimeError). spec_generate first, then each of those
+    continuing; every turn equals generate on the whole conversation, a passed cache still advances in place,
+    and no returned cache holds an inference tensor. The sliding kind starts from a prefilled
+    ``DynamicCache(config=...)`` (5.x sliding layers; the loop's own cache has full layers)."""
+    target, draft = _pair(kind)
+    prompt, user = _ids(50, 9), _ids(51, 3)
+    cache = _prefill(target, prompt[:, :4], DynamicCache(config=target.config)) if kind == "sliding" else None
+    out = draft.spec_generate(target, prompt, max_new_tokens=10, temperature=0.0, return_dict_in_generate=True,
+                              **({} if cache is None else {CACHE_FIELD: cache}))
+    assert torch.equal(out.sequences, _greedy(target, prompt, 10))
+    cache = getattr(out, CACHE_FIELD)
+    assert not _inference_tensors(cache), _inference_tensors(cache)
+    turn = torch.cat([out.sequences, user], dim=1)  # turn 2: spec_generate outside inference mode
+    again = draft.spec_generate(target, turn, max_new_tokens=10, temperature=0.0, inference_mode=False,
+                                **{CACHE_FIELD: cache})
+    assert torch.equal(again, _greedy(target, turn, 10))
+    turn = torch.cat([again, user], dim=1)  # turn 3: spec_generate under inference mode, in place
+    out = draft.spec_generate(target, turn, max_new_tokens=10, temperature=0.0, return_dict_in_generate=True,
+                              **{CACHE_FIELD: cache})
+    assert torch.equal(out.sequences, _greedy(target, turn, 10)) and getattr(out, CACHE_FIELD) is cache
+    assert cache.get_seq_length() == out.sequences.shape[1] - 1 and not _inference_tensors(cache)
+    turn = torch.cat([out.sequences, user], dim=1)  # turn 4: generate
+    assert torch.equal(_greedy(target, turn, 10, **{CACHE_FIELD: cache}), _greedy(target, turn, 10))

@@ -3,7 +3,7 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 
 from configuration_dflash import DFlashConfig, legacy_target_layer_ids
@@ -154,3 +154,39 @@ def test_draft_rope_comes_from_the_draft_config_only():
     """A draft whose rope_theta differs from the target's drafts differently (notes section 6)."""
     a, b = tiny_draft(rope_theta=1e6), tiny_draft(rope_theta=1e4)
     assert a.rotary_emb.inv_freq != b.rotary_emb.inv_freq
+
+
+# ----------------------------------------------------------------------------- issue 34: strict DFlash 1 loading
+
+
+def _rewrite_weights(folder, drop=(), add=()):
+    """Rewrite ``folder/model.safetensors`` without the tensors ``drop`` and with zero tensors ``add`` (name, shape)."""
+    path = str(folder / "model.safetensors")
+    weights = {k: v for k, v in load_file(path).items() if k not in drop}
+    weights.update({name: torch.zeros(shape) for name, shape in add})
+    save_file(weights, path)
+
+
+@pytest.mark.parametrize("drop, add, named", [
+    (["fc.weight"], [], r"missing_keys \['fc.weight'\]"),
+    ([], [("layers.0.self_attn.sink_bias", (4,))], r"unexpected_keys \['layers.0.self_attn.sink_bias'\]"),
+])
+def test_published_folder_with_a_missing_or_unexpected_tensor_is_refused_by_name(tmp_path, drop, add, named):
+    """Issue 34: a copy without ``fc.weight`` loaded with a random ``fc`` (acceptance collapsed, silently)."""
+    write_published(tmp_path / "zlab")
+    _rewrite_weights(tmp_path / "zlab", drop, add)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'zlab'}.*{named}"):
+        DFlashDraftModel.from_pretrained(str(tmp_path / "zlab"))
+
+
+def test_unused_published_tensors_are_dropped_by_name_with_one_note(tmp_path, caplog):
+    """Copies of the target's embedding / head (some training exports) are not the draft's: named once, dropped;
+    every draft tensor still loads exactly."""
+    weights = write_published(tmp_path / "zlab")
+    _rewrite_weights(tmp_path / "zlab", add=[("embed_tokens.weight", (97, 40)), ("lm_head.weight", (97, 40))])
+    with caplog.at_level(logging.WARNING):
+        model = DFlashDraftModel.from_pretrained(str(tmp_path / "zlab"))
+    notes = [r.getMessage() for r in caplog.records if "does not use" in r.getMessage()]
+    assert len(notes) == 1 and "embed_tokens.weight, lm_head.weight" in notes[0], caplog.text
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, weights[name].to(tensor.dtype), rtol=0, atol=0)

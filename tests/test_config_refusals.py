@@ -191,3 +191,47 @@ def test_engine_flags_per_family(name, v2_runner):
     assert "--mamba-radix-cache-strategy" not in cmds["sglang"]
     hybrid = engine_commands("org/draft", 16, "Qwen/Qwen3.5-35B-A3B", target_model_type="qwen3_5_moe")
     assert hybrid["sglang"].endswith("--mamba-radix-cache-strategy extra_buffer")
+
+
+# ----------------------------------------------------------------------------- issue 34: DSpark and other architectures
+
+
+def _dspark_folder(folder, architecture):
+    """A DeepSpec DSpark drafter, shrunk: a Qwen3Config plus the top-level DSpark keys (no dflash_config, no
+    auto_map), the DFlash backbone's tensors plus the Markov head and its own embedding and head."""
+    config = {k: v for k, v in _load("Qwen3-Coder-30B-A3B-DFlash.json").items() if k not in ("dflash_config", "auto_map")}
+    config.update(architectures=[architecture], block_size=7, mask_token_id=96, target_layer_ids=[0, 1, 2],
+                  num_target_layers=3, num_anchors=1, markov_rank=8, markov_head_type="vanilla",
+                  enable_confidence_head=True, confidence_head_with_markov=False)
+    backbone = dict(config, architectures=["DFlashDraftModel"])
+    weights = DFlashDraftModel(DFlashConfig(**backbone)).state_dict()
+    weights.update({"markov_w1.weight": torch.zeros(97, 8), "markov_w2.weight": torch.zeros(97, 8),
+                    "embed_tokens.weight": torch.zeros(97, 40), "lm_head.weight": torch.zeros(97, 40)})
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    return config
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3DSparkModel", "Gemma4DSparkModel"])
+def test_dspark_folder_is_refused_by_name_before_loading(tmp_path, architecture):
+    """Issue 34: a DSpark folder loaded as a DFlash 1 drafter (its extra tensors and keys ignored) and drafted
+    one position off; the converter refuses it by the same rule (``DRAFT_ARCHITECTURES``)."""
+    from convert import ConversionError
+    from convert.sources import detect_dialect
+
+    config = _dspark_folder(tmp_path / "d", architecture)
+    want = rf"{tmp_path / 'd'}.*'{architecture}' is a DSpark drafter .*not supported yet"
+    with pytest.raises(ValueError, match=want):
+        DFlashDraftModel.from_pretrained(str(tmp_path / "d"))
+    with pytest.raises(ValueError, match=want):
+        DFlashConfig.from_pretrained(str(tmp_path / "d"))
+    with pytest.raises(ConversionError, match=f"'{architecture}' is a DSpark drafter"):
+        detect_dialect(dict(config, model_type="qwen3"))
+
+
+def test_an_architecture_this_package_does_not_implement_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"'Qwen3ForCausalLM' is not a DFlash draft architecture .*'DFlashDraftModel'"):
+        DFlashConfig(**dict(_load("Qwen3-Coder-30B-A3B-DFlash.json"), architectures=["Qwen3ForCausalLM"]))

@@ -285,3 +285,34 @@ def test_plot_shows_per_slot_acceptance_and_the_histogram(pair):
 def test_per_slot_acceptance_counts_steps_that_accepted_at_least_k_drafts():
     # lengths 1, 3, 4 with block 4: 0, 2, 3 drafts accepted; slot 1: 2/3, slot 2: 2/3, slot 3: 1/3
     assert generation_utils.per_slot_acceptance([1, 3, 4], 4) == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+
+
+# ----------------------------------------------------------------------------- issue 34: inputs_embeds
+
+
+def test_inputs_embeds_is_refused_by_name_on_every_entry_point_before_any_forward(tmp_path):
+    """Issue 34: ``generate(inputs_embeds=..., custom_generate=<drafter>)`` raised ``TypeError: spec_generate()
+    missing 1 required positional argument: 'input_ids'``. Refused with or without ``input_ids`` (the loop
+    drafts and verifies token ids), directly, on the static loop and through ``custom_generate``."""
+    from tiny import tiny_target
+
+    tiny_draft().save_pretrained(tmp_path)
+    draft = AutoModel.from_pretrained(str(tmp_path), trust_remote_code=True).eval()
+    target = tiny_target(peaked=True)
+    ids = torch.tensor([[5, 6, 7]])
+    embeds = target.get_input_embeddings()(ids).detach()
+    forwards = []
+    for model in (target, draft):
+        model.register_forward_hook(lambda *a: forwards.append(1))
+    route = dict(custom_generate=str(tmp_path), trust_remote_code=True, assistant_model=draft)
+    calls = [lambda: draft.spec_generate(target, inputs_embeds=embeds, max_new_tokens=4),
+             lambda: draft.spec_generate(target, ids, inputs_embeds=embeds, max_new_tokens=4),
+             lambda: draft.spec_generate(target, ids, inputs_embeds=embeds, max_new_tokens=4, cache_implementation="static"),
+             lambda: target.generate(inputs_embeds=embeds, max_new_tokens=4, do_sample=False, **route),
+             lambda: target.generate(ids, inputs_embeds=embeds, max_new_tokens=4, do_sample=False, **route)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"inputs_embeds \(shape \(1, 3, \d+\)\) is not supported"):
+            call()
+    assert forwards == []
+    assert torch.equal(target.generate(ids, max_new_tokens=4, do_sample=False, **route),
+                       target.generate(ids, max_new_tokens=4, do_sample=False))

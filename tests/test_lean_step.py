@@ -14,7 +14,8 @@ import decode_step
 import generation_utils
 import proposers
 from patching import patch_called
-from tiny import VOCAB, tiny_draft, tiny_target
+from test_dflash2_generate import dflash2_draft
+from tiny import HIDDEN, VOCAB, tiny_draft, tiny_target
 
 SYNC_METHODS = ["item", "tolist", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy"]
 
@@ -186,3 +187,46 @@ def test_forward_runs_under_inference_mode_unless_opted_out():
         handle.remove()
     n = len(seen) // 2
     assert seen[:n] == [True] * n and seen[n:] == [False] * n
+
+
+# ----------------------------------------------------------------------------- adaptive block size at block_size=1 (issue 34, item 2)
+
+
+@pytest.mark.parametrize("block_size,longest,want", [
+    (1, 1, 1), (1, 4, 1),  # block_size=1: every block stays at 1 (the old lower bound 2 won over it)
+    (2, 1, 2), (2, 2, 2),  # 2: always 2
+    (3, 1, 2), (3, 2, 3), (16, 1, 2), (16, 5, 10), (16, 9, 16),
+])
+def test_next_block_size_stays_within_the_calls_block_size(block_size, longest, want):
+    """Planted bug caught: ``max(2, min(block_size, 2 * longest))`` (before issue 34) gave 2 at block_size=1."""
+    got = decode_step.next_block_size(block_size, longest, adaptive=True)
+    assert got == want and min(2, block_size) <= got <= block_size, (block_size, longest, got)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "static"])
+def test_adaptive_block_size_with_block_size_1_equals_generate(kind, monkeypatch):
+    """Planted bug caught (issue 34, item 2): with the lower bound 2 winning over ``block_size=1``, the
+    second step drafted a 2-token block verified with one position offset; with oracle drafts (always
+    accepted) 4+ new tokens raised (here ``AssertionError: draft context covers 2 positions, the target
+    cache 17``; ``RuntimeError: The size of tensor a ...`` on the shipped pair). Now every block stays at
+    1: no draft pass runs at all, and the output is generate's. Also for a DFlash 2 drafter (zero slot
+    states: the walk takes the oracle's argmax) and with ``cache_implementation="static"`` (adaptive falls
+    back to the dynamic loop)."""
+    target, draft = tiny_target(peaked=True), (dflash2_draft if kind == "dflash2" else tiny_draft)(block_size=4)
+    extra = {"cache_implementation": "static"} if kind == "static" else {}
+    ids = torch.randint(0, VOCAB - 1, (1, 6), generator=torch.Generator().manual_seed(5))
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    sizes = []
+
+    def oracle(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id, **kwargs):
+        s = int(start[0])
+        sizes.append(b)
+        want = torch.cat([ref[0, s + 1: s + b], torch.zeros(b, dtype=torch.long)])[: b - 1]
+        logits = torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
+        return (logits, torch.zeros(1, b - 1, HIDDEN)) if kwargs.get("slot_states") else logits
+
+    monkeypatch.setattr(generation_utils, "_draft_logits", oracle)  # plain setattr: it must NOT be called
+    out = draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0, block_size=1,
+                              adaptive_block_size=True, return_dict_in_generate=True, **extra)
+    assert out.sequences.tolist() == ref.tolist()
+    assert sizes == [] and set(out.acceptance_lengths) == {1}, (sizes, out.acceptance_lengths)

@@ -124,3 +124,16 @@ def test_the_repair_module_itself_runs_from_each_folder(tmp_path, monkeypatch):
     m_a, m_b = _load(folders["A"]), _load(folders["B"])
     assert builtins.dflash_repair_runs == ["A", "B"]
     assert (_ran(m_a), _ran(m_b)) == ("folder A", "folder B")
+
+
+def test_remote_code_load_of_a_folder_without_fc_is_refused_by_name(tmp_path):
+    """Issue 34: ``AutoModel.from_pretrained(trust_remote_code=True)`` loaded a copy without ``fc.weight``
+    with a random ``fc`` (transformers' load report only); the folder's own code refuses it, naming both."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "drafter"
+    tiny_draft().save_pretrained(folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if k != "fc.weight"}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{folder}.*missing_keys \['fc.weight'\]"):
+        _load(folder)

@@ -359,3 +359,27 @@ def test_static_call_on_cpu_logs_one_warning_with_the_measured_figures(caplog):
         draft.spec_generate(TARGETS["qwen3"], PROMPT.repeat(2, 1), max_new_tokens=5, temperature=0.0,
                             cache_implementation="static")
     assert "not faster" not in caplog.text
+
+
+def test_drafters_of_other_attention_shapes_one_after_another_on_one_target_each_equal_generate(monkeypatch):
+    """Issue 34, item 6: the static caches kept per (target, thread) are rebuilt for a drafter whose
+    context K/V differ (other ``num_key_value_heads``, other ``head_dim``, another dtype), and reused by
+    the next call of the same drafter. Planted bug caught: caches keyed by the draft's layer count only
+    (before issue 34) -> ``index_copy_(): Source/destination tensor must have same slice shapes`` on the
+    second drafter."""
+    target, seen, real = TARGETS["qwen3"], [], static_generate._static_steps
+
+    def watch(*args):
+        seen.append(args[-1])  # the object itself: an id of a freed cache can be reused
+        return real(*args)
+
+    monkeypatch.setattr(static_generate, "_static_steps", watch)
+    ref = reference("qwen3", 4)
+    base = tiny_draft(block_size=4)
+    others = [tiny_draft(block_size=4, num_key_value_heads=4), tiny_draft(block_size=4, head_dim=8),
+              tiny_draft(block_size=4).double()]
+    calls = [base, others[0], base, others[1], base, others[2], others[2]]  # each change alone after `base`
+    for draft in calls:
+        out = draft.spec_generate(target, PROMPT, max_new_tokens=4, temperature=0.0, cache_implementation="static")
+        assert torch.equal(out, ref), draft.config
+    assert len({id(c) for c in seen[:6]}) == 6 and seen[6] is seen[5]  # new caches per change, then reused

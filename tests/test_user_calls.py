@@ -364,7 +364,6 @@ def test_demo_reports_bf16_differences_and_exits_0(capsys):
     assert demo.report_differences([], "float32", str) == 0
 
 
-
 # ----------------------------------------------------------------------------- subclasses of transformers' processors
 
 
@@ -412,3 +411,93 @@ def test_subclasses_of_prefix_free_processors_run_like_generate(oracle, kind, do
         assert not any(t % 3 == 0 for t in out[:, ids.shape[1]:].flatten().tolist())
     else:
         assert torch.equal(out, ref)
+
+
+# ----------------------------------------------------------------------------- issue 34: eos-less batch ends
+
+
+class LastTokenIn(StoppingCriteria):
+    """Fires on a row whose last token is one of ``tokens`` (per row, as generate asks it)."""
+
+    def __init__(self, tokens):
+        self.tokens = torch.tensor(tokens)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.isin(input_ids[:, -1], self.tokens)
+
+
+def _stop_tokens(new, at):
+    """Tokens making row ``r`` of ``new`` (generate's eos-less output) stop first at its ``at[r]``-th new token."""
+    tokens = [int(new[r, n - 1]) for r, n in enumerate(at)]
+    for r, n in enumerate(at):
+        assert not set(new[r, : n - 1].tolist()) & set(tokens), "precondition: the rows stop where planned"
+    return tokens
+
+
+def test_without_eos_a_row_stopped_by_its_prefill_token_keeps_generating(oracle):
+    """Issue 34 item 1: eos unset, a criterion firing on row 0's 1st and row 1's 3rd token: generate gives 3
+    tokens per row. With eos set, the row stopped by its prefill token is padded, as before. Planted bug
+    caught: the prefill's commit without ``keep_generating`` (the code before): row 0 got 1 token + padding
+    and row 1 ran to ``max_new_tokens`` (16)."""
+    ids, mask = _left_pad(PROMPTS[:2])
+    full = TARGET.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    stops = _stop_tokens(full[:, ids.shape[1]:], [1, 3])
+    for eos in (None, 95):
+        kw = dict(max_new_tokens=16, pad_token_id=0, stopping_criteria=[LastTokenIn(stops)], eos_token_id=eos)
+        ref = TARGET.generate(ids, attention_mask=mask, do_sample=False, **kw)
+        oracle(mask, full, [5])  # every draft right: rows commit past the batch end in one step
+        out = DRAFT.spec_generate(TARGET, ids, attention_mask=mask, temperature=0.0, **kw)
+        assert torch.equal(out, ref), (eos, out[:, ids.shape[1]:].tolist(), ref[:, ids.shape[1]:].tolist())
+        assert ref.shape[1] == ids.shape[1] + 3
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_without_eos_stop_strings_at_a_rows_prefill_token_like_generate(oracle, cache_implementation):
+    """Issue 34 item 1 with ``stop_strings`` (the shipped pair's byte-level tokenizer, read from the
+    repository: ids < 97 are one character each, so a stop string fires at its token only) and both loop
+    requests (a batch with stop strings runs the dynamic loop under ``cache_implementation='static'`` too).
+    Planted bug caught: as above, row 0 padded after 1 token and row 1 run to 16 tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pathlib.Path(__file__).resolve().parents[1] / "pair" / "target")
+    ids, mask = _left_pad(PROMPTS[:2])
+    full = TARGET.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    strings = [tok.convert_tokens_to_string(tok.convert_ids_to_tokens([t]))
+               for t in _stop_tokens(full[:, ids.shape[1]:], [1, 3])]
+    kw = dict(max_new_tokens=16, pad_token_id=0, stop_strings=strings, tokenizer=tok)
+    ref = TARGET.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    oracle(mask, full, [2])
+    out = DRAFT.spec_generate(TARGET, ids, attention_mask=mask, temperature=0.0,
+                              cache_implementation=cache_implementation, **kw)
+    assert torch.equal(out, ref), (out[:, ids.shape[1]:].tolist(), ref[:, ids.shape[1]:].tolist())
+    assert ref.shape[1] == ids.shape[1] + 3
+
+
+def test_without_eos_scores_and_statistics_are_cut_at_the_batch_end(oracle):
+    """Issue 34 item 5: rows that committed past the batch end (row 0 all drafts right, several steps past it;
+    row 1 one draft right per step) keep scores and logits of the kept tokens only, equal to generate's, and
+    statistics that count them only (``sum(row_acceptance_lengths[r]) == num_new_tokens[r] - 1``). Planted
+    bug caught: only the chunks trimmed (the code before): ``RuntimeError: The expanded size of the tensor``
+    after the generation (and, with the scores trimmed alone, ``sum([6, 6, 3]) != 7 - 1`` for row 0)."""
+    ids, mask = _left_pad(PROMPTS[:2])
+    full = TARGET.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    stops = _stop_tokens(full[:, ids.shape[1]:], [2, 7])
+    kw = dict(max_new_tokens=16, pad_token_id=0, stopping_criteria=[LastTokenIn(stops)], output_scores=True,
+              output_logits=True, return_dict_in_generate=True)
+    ref = TARGET.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    oracle(mask, full, lambda step, row: 5 if row == 0 else 1)
+    out = DRAFT.spec_generate(TARGET, ids, attention_mask=mask, temperature=0.0, output_timings=True, **kw)
+    assert torch.equal(out.sequences, ref.sequences) and out.sequences.shape[1] == ids.shape[1] + 7
+    assert len(out.scores) == len(ref.scores) == len(out.logits) == 7
+    for mine, theirs in ((out.scores, ref.scores), (out.logits, ref.logits)):
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b.float(), rtol=1e-4, atol=1e-4)
+    assert out.num_new_tokens == [7, 7]
+    for r in range(2):
+        lengths, drafted, accepted = (out.row_acceptance_lengths[r], out.row_draft_lengths[r],
+                                      out.row_accepted_drafts[r])
+        assert sum(lengths) == out.num_new_tokens[r] - 1 and len(lengths) == len(drafted) == len(accepted)
+        assert all(a <= min(d, n) for a, d, n in zip(accepted, drafted, lengths))
+    assert out.row_acceptance_lengths[0] == [6] and out.row_accepted_drafts[0] == [5]  # later steps dropped
+    assert out.acceptance_lengths == [a for row in out.row_acceptance_lengths for a in row]
+    assert out.timings["new_tokens"] == 14
