@@ -225,7 +225,7 @@ def test_adaptive_block_size_with_block_size_1_equals_generate(kind, monkeypatch
         logits = torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
         return (logits, torch.zeros(1, b - 1, HIDDEN)) if kwargs.get("slot_states") else logits
 
-    monkeypatch.setattr(generation_utils, "_draft_logits", oracle)  # plain setattr: it must NOT be called
+    monkeypatch.setattr(proposers, "_draft_logits", oracle)  # plain setattr: it must NOT be called
     out = draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0, block_size=1,
                               adaptive_block_size=True, return_dict_in_generate=True, **extra)
     assert out.sequences.tolist() == ref.tolist()
