@@ -76,12 +76,6 @@ class Proposal:
             depth[j] = 1 if parent < 0 else depth[parent] + 1
         return depth
 
-    @property
-    def chain_parents(self) -> torch.Tensor:
-        """``(n,)`` long: ``parents``, with a chain's ``j - 1`` written out."""
-        n = self.tokens.shape[1]
-        return self.parents if self.parents is not None else torch.arange(-1, n - 1, device=self.tokens.device)
-
 
 def _own_probs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``(A, n)`` fp32 ``softmax(scores)[token]`` of each slot, without the ``(A, n, V)`` softmax."""
