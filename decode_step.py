@@ -38,6 +38,25 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-remove)
 
 
+def compact_cache(cache, nodes: int, path: torch.Tensor) -> None:
+    """Keep, of the last ``nodes`` entries of every layer of ``cache`` (the verified tree, anchor first), the
+    ``path`` ``(A, W)`` nodes in path order, and drop the rest: the cache then ends as after a chain step that
+    committed those tokens. In place (``index``-gathered rows copied over the tree's first ``W`` slots, then
+    one crop), on the layers' own devices; DDTree ``compact_dynamic_cache`` does the same at batch 1 (``draft_trees.py``).
+    Every layer of transformers' ``DynamicCache`` (4.57 and 5.x) holds ``keys``/``values`` ``(A, H, L, D)``."""
+    length = cache.get_seq_length()
+    width = path.shape[1]
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is None or t.dim() != 4 or t.shape[-2] < nodes:
+                continue
+            index = path.to(t.device)[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[-1])
+            tail = t.narrow(-2, t.shape[-2] - nodes, nodes).gather(-2, index)  # (A, H, W, D), a new tensor
+            t.narrow(-2, t.shape[-2] - nodes, width).copy_(tail)
+    crop_cache(cache, length - nodes + width)
+
+
 @functools.lru_cache(maxsize=64)
 def _signature_params(forward) -> frozenset:
     return frozenset(inspect.signature(forward).parameters)
@@ -139,14 +158,15 @@ class _Rows:
         self.ctx = ctx if self.ctx is None else self.ctx.cat(ctx)
 
 
-def _commit(run, rows, accepted, drafts, next_token, scores, logits):
+def _commit(run, rows, accepted, drafts, next_token, scores, logits, drafted=None):
     """Append each row's tokens (its ``accepted`` ``(A,)`` first ``drafts`` ``(A, n)``, then ``next_token``
     ``(A,)``), cut at the row's budget (by length, never by value) and right after its first stopping token;
     record the statistics of the step. One device-to-host transfer (the acceptance decision, the drafts and
-    the next token together). Returns host lists ``(committed (A,), done (A,))``: anchor + accepted drafts
-    per row, and whether the row is done."""
+    the next token together). ``drafted``: per-row drafted depth (a tree's, ``draft_trees.Verdict``), else
+    every row drafted ``drafts.shape[1]``. Returns host lists ``(committed (A,), done (A,))``: anchor +
+    accepted drafts per row, and whether the row is done."""
     done, counts, totals = [], [], []
-    drafted = drafts.shape[1]
+    drafted = [drafts.shape[1]] * drafts.shape[0] if drafted is None else drafted
     host = torch.cat([accepted[:, None], drafts, next_token[:, None]], dim=1).tolist()  # the step's only sync
     remaining = [run.stops.budget - n for n in rows.host_new]
     for i, (r, (a, *row)) in enumerate(zip(rows.host_ids, host)):
@@ -155,7 +175,7 @@ def _commit(run, rows, accepted, drafts, next_token, scores, logits):
                                      remaining[i], None if scores is None else scores[i], logits[i])
         totals.append(rows.host_new[i] + len(take))
         run.out.row_acceptance_lengths[r].append(len(take))
-        run.out.row_draft_lengths[r].append(min(drafted, remaining[i]))
+        run.out.row_draft_lengths[r].append(min(drafted[i], remaining[i]))
         run.out.row_accepted_drafts[r].append(min(a, remaining[i]))
         done.append(finished)
         if run.streamer is not None:
@@ -265,4 +285,4 @@ def next_block_size(block_size: int, longest: int, adaptive: bool) -> int:
     return min(block_size, max(2, 2 * longest))
 
 
-__all__ = ["crop_cache"]
+__all__ = ["compact_cache", "crop_cache"]

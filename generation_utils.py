@@ -29,7 +29,8 @@ from transformers.utils import logging
 try:
     from .cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
-    from .decode_step import _prefill_commit, _sync, _trim_to_batch_end, crop_cache, next_block_size
+    from .decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache, next_block_size
+    from .draft_trees import _gather_nodes, check_tree
     from .proposers import BlockProposer, Proposal, proposer_for
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
     from .generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
@@ -44,11 +45,12 @@ try:
     from .target_facts import TargetFacts
     from .target_families import FAMILY as _families
     from .target_taps import capture_target_features
-    from .user_processors import check_copyable
+    from .user_processors import check_copyable, is_user_processor
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
-    from decode_step import _prefill_commit, _sync, _trim_to_batch_end, crop_cache, next_block_size
+    from decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache, next_block_size
+    from draft_trees import _gather_nodes, check_tree
     from proposers import BlockProposer, Proposal, proposer_for
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
     from generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
@@ -63,7 +65,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from target_facts import TargetFacts
     from target_families import FAMILY as _families
     from target_taps import capture_target_features
-    from user_processors import check_copyable
+    from user_processors import check_copyable, is_user_processor
 
 logger = logging.get_logger(__name__)
 
@@ -132,6 +134,7 @@ def spec_generate(
     adaptive_block_size: bool = False,
     draft_window: Optional[int] = None,
     inference_mode: bool = True,
+    tree_budget: Optional[int] = None,
     **kwargs,
 ):
     """Generate with ``target``, drafting blocks with ``draft``; the output is the target's own.
@@ -213,6 +216,18 @@ def spec_generate(
             when tensors made during the call must be usable by autograd afterwards (e.g. features kept
             by the caller's own forward hooks).
         mask_token_id: override of ``draft.config.mask_token_id``.
+        tree_budget: None (default: each step verifies one chain of drafts), or an integer N >= 1: each step
+            verifies a tree of at most N drafted nodes below the anchor in one target forward
+            (``draft_trees.py``): DFlash 1 drafters get DDTree's best-first tree over the slots' raw draft
+            log-probs (Ringel & Romano, arXiv 2604.12989), DFlash 2 drafters a tree over the candidate
+            selector's pairwise scores (SGLang PR #36196). The walk follows the target's own argmax (greedy)
+            or its own draw at each node (sampling: sample-and-match, every committed token a draw from the
+            target given its own prefix), so the output is unchanged: only acceptance changes. The block
+            size bounds the tree's depth (``block_size - 1`` drafted slots; clamped near the end of the call
+            as the chain's block is). ``sample_draft`` has no effect on trees. ``per_slot_acceptance`` then
+            counts per depth. Refused by name (ValueError): with ``adaptive_block_size``, the caller's own
+            logits processors, hybrid linear-attention or flash-attention targets. With
+            ``cache_implementation="static"`` the call runs the dynamic loop (one info log).
         pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, token_type_ids,
             mm_token_type_ids, image_sizes, ... (keywords): a vision-language target's own inputs, any name
             its ``forward`` takes besides the prompt, as the processor returns them. They go to ``generate``
@@ -290,6 +305,7 @@ def spec_generate(
     block_size = trained if block_size is None else block_size
     _check_int("block_size", block_size, 1, trained)
     check_draft_window(draft_window)
+    check_tree(tree_budget, adaptive=adaptive_block_size, facts=facts)
     mask_token_id = draft.config.mask_token_id if mask_token_id is None else mask_token_id
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab:
         raise ValueError(f"mask_token_id={mask_token_id!r} must be an integer in [0, {vocab}) (the target vocabulary)")
@@ -316,7 +332,7 @@ def spec_generate(
                           mask_token_id=mask_token_id, generator=generator, sample_draft=sample_draft,
                           streamer=streamer, output_timings=output_timings, static=static,
                           adaptive=adaptive_block_size, inference_mode=inference_mode, passed_cache=passed_cache,
-                          vision=vision, draft_window=draft_window, facts=facts)
+                          vision=vision, draft_window=draft_window, facts=facts, tree_budget=tree_budget)
 
     if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
         if streamer is not None:
@@ -335,10 +351,11 @@ def spec_generate(
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
                generator, sample_draft, streamer, output_timings, static=None, adaptive=False, inference_mode=True,
-               passed_cache=None, vision=None, draft_window=None, facts=None):
+               passed_cache=None, vision=None, draft_window=None, facts=None, tree_budget=None):
     """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``.
     ``vision``: the call's multimodal prompt (``target_families.VisionPrompt``), or None. ``facts``: the
-    target's ``TargetFacts``, completed here with the prompt's (execution device, longrope switch crossed)."""
+    target's ``TargetFacts``, completed here with the prompt's (execution device, longrope switch crossed).
+    ``tree_budget``: see ``spec_generate``; refused here with the caller's own logits processors."""
     _check_refused(config)
     bsz = input_ids.shape[0]
     if bsz > 1 and streamer is not None:
@@ -356,6 +373,10 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     sampling = _Sampling(processors, bool(config.do_sample), generator, sample_draft,
                          want_scores=return_dict and (want_scores or want_logits),
                          user=check_copyable(processors))  # before any forward
+    if tree_budget is not None and sampling.user:
+        raise ValueError(f"tree_budget={tree_budget} cannot run with the caller's own logits processors "
+                         f"({[type(p).__name__ for p in processors if is_user_processor(p)]}): a tree would need a copy "
+                         "per branch; use the chain (tree_budget=None)")
     pad = config.pad_token_id
     if pad is None:
         pad = (_eos_list(config) or [0])[0]
@@ -367,7 +388,8 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     recorder = _Scores(bsz, want_scores, want_logits) if return_dict and (want_scores or want_logits) else None
     run = _Run(out=out, chunks=[[] for _ in range(bsz)], stops=stops, history=history, streamer=streamer,
                recorder=recorder)
-    static_decode = _static_loop(static, target, input_ids, mask, run, facts, block_size, adaptive, draft)
+    static_decode = _static_loop(static, target, input_ids, mask, run, facts, block_size, adaptive, draft,
+                                 tree=tree_budget is not None)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py
             static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run,
@@ -375,7 +397,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
         else:
             with capture_target_features(target, draft.config.target_layer_ids, facts.draft_device) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
-                        run, facts, adaptive, passed_cache, vision, draft_window)
+                        run, facts, adaptive, passed_cache, vision, draft_window, tree_budget)
     if return_dict or passed_cache is not None:  # the cache reaches the user: no inference tensors in it
         leave_inference_mode(out.get(CACHE_FIELD))
     _trim_to_batch_end(run)  # no eos criterion: rows end where the batch's last row stopped
@@ -452,14 +474,14 @@ def _log_dynamic(impl, where, reason):
     logger.info(f"cache_implementation={impl!r} (from {where}) runs spec_generate's dynamic loop: {reason}")
 
 
-def _static_loop(static, target, input_ids, mask, run, facts, block_size=1, adaptive=False, draft=None):
+def _static_loop(static, target, input_ids, mask, run, facts, block_size=1, adaptive=False, draft=None, tree=False):
     """``static_generate.static_decode`` (``compile_config`` bound) when the static loop was asked for
     and applies to this call, else None: the dynamic loop, with one info log saying why (also for a
     call crossing a longrope switch, ``facts.crossing`` from ``target_families.check_rope``: only the
     dynamic loop re-prefills there; for a call whose full blocks would pass a RoPE switch:
     ``target_families.rope_reach_reason``; for ``adaptive_block_size``, which only the dynamic
     loop does; and for a drafter whose proposer the fixed-shape loop does not run (``static_loop``
-    False: a DFlash 2 selector walk))."""
+    False: a DFlash 2 selector walk); for draft trees (``tree``))."""
     if static is None:
         return None
     reason = static_unsupported_reason(target, input_ids, mask)
@@ -471,6 +493,8 @@ def _static_loop(static, target, input_ids, mask, run, facts, block_size=1, adap
         reason = f"crossing the longrope switch (sequence length {facts.crossing + 1}) re-prefills, which is dynamic-only"
     if reason is None:  # a full last block past a RoPE switch generate never reaches
         reason = _families.rope_reach_reason(facts.rope, input_ids.shape[1], run.stops.budget or 1 << 40, block_size)
+    if reason is None and tree:
+        reason = "draft trees (tree_budget) run in the dynamic loop"
     if reason is None and adaptive:
         reason = "adaptive_block_size=True changes the block size every step; the fixed-shape loop verifies one size"
     if reason is not None:
@@ -549,21 +573,30 @@ def _propose(loop, rows, b: int) -> Proposal:
 
 def _verify_forward(loop, rows, proposal: Proposal):
     """The target's logits ``(A, n + 1, V)`` over ``[anchor, proposal's nodes]``, masking the slots a row does
-    not own once some slot is masked; a multimodal target takes its own positions (``VisionPrompt.rope``)."""
+    not own once some slot is masked; a multimodal target takes its own positions (``VisionPrompt.rope``).
+    A tree's nodes see the context and their own ancestors only (``TargetFacts.tree_mask``)."""
     block = torch.cat([rows.anchor, proposal.tokens], dim=1)  # (A, n + 1)
     positions = proposal.positions
     rope = None if loop.vision is None else loop.vision.rope(positions, rows.ids)
-    return loop.forward(block, positions, rows.target_valid if rows.masked else None, rope=rope)
+    if proposal.tree is None:
+        return loop.forward(block, positions, rows.target_valid if rows.masked else None, rope=rope)
+    mask = loop.facts.tree_mask(rows.target_valid if rows.holes else None, loop.resume.target_cache.get_seq_length(),
+                                positions, proposal.tree.visible)
+    return loop.forward(block, positions, None, rope=rope, attention_mask=mask)
 
 
-def _keep_committed(loop, rows, b: int, committed, counts: list, positions, next_token) -> None:
+def _keep_committed(loop, rows, b: int, committed, counts: list, next_token, path=None) -> None:
     """Roll back after a verify of ``b`` slots: both caches keep each row's ``committed`` ``(A,)`` slots (anchor
     + accepted drafts; hybrid targets replay each row's prefix), rejected ones become holes (masked) for rows
     that committed fewer than the widest; the committed slots' taps become draft context; ``next_token``
-    ``(A,)`` is each row's new anchor."""
+    ``(A,)`` is each row's new anchor. A tree's ``path`` ``(A, W)`` (``draft_trees.Verdict``): its nodes are
+    the committed slots, compacted into place (``decode_step.compact_cache``)."""
     target_cache = loop.resume.target_cache
     width = max(counts)
-    crop_cache(target_cache, target_cache.get_seq_length() - b + width)
+    if path is None:
+        crop_cache(target_cache, target_cache.get_seq_length() - b + width)
+    else:
+        compact_cache(target_cache, b, path[:, :width])
     restore_linear_states(target_cache, committed)  # hybrid targets: replay each row's committed prefix
     owned = None
     if rows.holes:
@@ -573,7 +606,8 @@ def _keep_committed(loop, rows, b: int, committed, counts: list, positions, next
             rows.masked = True
         else:
             owned = None  # every new slot is valid: no mask for this context
-    rows.add_context(_Context(loop.features()[:, :width], positions[:, :width], owned))
+    features = loop.features()[:, :width] if path is None else _gather_nodes(loop.features(), path[:, :width])
+    rows.add_context(_Context(features, rows.start[:, None] + loop.offsets[:width], owned))
     rows.start, rows.n_new, rows.anchor = rows.start + committed, rows.n_new + committed, next_token[:, None]
     rows.host_new = [n + c for n, c in zip(rows.host_new, counts)]
 
@@ -622,7 +656,7 @@ def _drop_finished(rows, done: list, caches, device) -> bool:
 
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
-            run, facts, adaptive=False, passed_cache=None, vision=None, draft_window=None):
+            run, facts, adaptive=False, passed_cache=None, vision=None, draft_window=None, tree_budget=None):
     """The speculative loop; fills ``run.out`` / ``run.chunks`` in place. One verify step after another: the
     block size, the drafter's proposal (whatever its kind: ``proposers.py``), the target's verify forward,
     the acceptance rule, the commit, the roll-back. ``facts``: the call's ``TargetFacts``.
@@ -630,11 +664,12 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
     (``cache_reuse.Resume``). ``vision``: a multimodal prompt (``target_families.VisionPrompt``): its inputs,
     the target's positions and generate's 2-D mask go to the prefill, and every verify forward takes the
     target's positions (``vision.rope``); the draft keeps 1-D positions and the features of every position.
-    ``draft_window``: see ``spec_generate``."""
+    ``draft_window``, ``tree_budget``: see ``spec_generate`` (a tree is proposed, verified and kept through the
+    same steps: ``draft_trees.py``)."""
     device, out = input_ids.device, run.out
     resume = Resume(target, draft, passed_cache, input_ids.shape[0], facts.crossing)  # the caches; cached length
     proposer = proposer_for(draft)(resume.draft(draft), facts, resume.draft_cache, sampling, mask_token_id,
-                                   draft_window)
+                                   draft_window, tree_budget)
     loop = _Loop(target, facts, sampling, proposer, resume, features, run, vision,
                  offsets=torch.arange(block_size, device=device))
     t0 = _sync(device) if output_timings else None
@@ -647,16 +682,17 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         proposal = _propose(loop, rows, b)
         logits = _verify_forward(loop, rows, proposal)
         verifies, drafts_run = verifies + 1, drafts_run + (b > 1)
-        accepted, next_token, scores = sampling.verify(proposal, logits, rows)
-        counts, finished = _commit(run, rows, accepted, proposal.tokens, next_token, scores, logits)
+        verdict = sampling.verify(proposal, logits, rows)  # draft_trees.Verdict
+        counts, finished = _commit(run, rows, verdict.accepted, verdict.drafts, verdict.next_token, verdict.scores,
+                                   verdict.logits, verdict.drafted)
         sampling.advance(rows, counts, logits, finished)  # the caller's processors: replay the committed slots
-        positions = proposal.positions
-        del logits, scores, proposal  # (A, b, V) each (or None): freed before the next draft pass allocates
+        nodes, accepted, next_token, path = logits.shape[1], verdict.accepted, verdict.next_token, verdict.path
+        del logits, verdict, proposal  # (A, n + 1, V) each: freed before the next draft pass allocates
         committed, counts = resume.kept(run, accepted + 1, counts, finished)  # a returned cache ends at the output
         if run.stops.timed_out():  # max_time: once per verify step, after the commit
             finished = [True] * len(finished)
         next_b = next_block_size(block_size, max(counts), adaptive)
-        _keep_committed(loop, rows, b, committed, counts, positions, next_token)
+        _keep_committed(loop, rows, nodes, committed, counts, next_token, path)
 
     out.num_target_forwards += verifies
     out.num_draft_forwards += drafts_run

@@ -11,7 +11,7 @@ made once per call by [`proposer_for`]:
 * [`SelectorProposer`], DFlash 2 (``DFlash2DraftModel``): the same pass, then the candidate selector's
   walk over each slot's top-k (``dflash2.selector_walk``; z-lab ``DFlash2DraftModel.propose``).
 
-A [`Proposal`] describes a chain today and a tree later: every node's token, parent and depth, the
+A [`Proposal`] describes a chain or a tree (``draft_trees.py``): every node's token, parent and depth, the
 positions, the draft's probability of each node's own token (greedy calls included), the q rows when
 sampling, and a per-node acceptance estimate for drafters that predict one (DSpark's confidence head).
 Source: issue "Seams for what comes next".
@@ -26,11 +26,13 @@ from transformers import LogitsProcessorList
 try:
     from .decode_step import crop_cache
     from .dflash2 import selector_walk
+    from .draft_trees import TreeBatch, block_trees, selector_trees, tree_batch
     from .speculative_sampling import _WARPERS, prefix_free
     from .target_families import FAMILY as _families
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from decode_step import crop_cache
     from dflash2 import selector_walk
+    from draft_trees import TreeBatch, block_trees, selector_trees, tree_batch
     from speculative_sampling import _WARPERS, prefix_free
     from target_families import FAMILY as _families
 
@@ -47,8 +49,8 @@ class Proposal:
             from, or under greedy the softmax of the scores it was chosen from (DFlash 2: of its slot's
             draft logits after the processors that do not read the prefix).
         q: ``(A, n, V)`` fp32, the distribution each node was drawn from (sampling), else None (greedy).
-        parents: ``(n,)`` long, each node's parent (``-1``: the anchor), or None for a chain (node ``j``'s
-            parent is ``j - 1``).
+        tree: a ``draft_trees.TreeBatch`` (each row's tree: node tokens, depths, ancestor visibility),
+            or None for a chain (node ``j``'s parent is node ``j - 1``).
         acceptance: ``(A, n)`` fp32, the drafter's own estimate that each node is accepted given its parent
             was (DSpark's confidence head), or None where the drafter has none.
     """
@@ -57,24 +59,13 @@ class Proposal:
     positions: torch.Tensor
     token_probs: torch.Tensor
     q: Optional[torch.Tensor] = None
-    parents: Optional[torch.Tensor] = None
+    tree: Optional[TreeBatch] = None
     acceptance: Optional[torch.Tensor] = None
 
     @classmethod
     def anchor_only(cls, anchor: torch.Tensor, positions: torch.Tensor) -> "Proposal":
         """No drafted node (a block of 1: a plain target step); ``anchor`` ``(A, 1)``, positions ``(A, 1)``."""
         return cls(anchor[:, :0], positions, positions.new_zeros(positions.shape[0], 0, dtype=torch.float32))
-
-    @property
-    def depths(self) -> torch.Tensor:
-        """``(n,)`` long: each node's depth below the anchor (1 for its children)."""
-        n = self.tokens.shape[1]
-        if self.parents is None:
-            return torch.arange(1, n + 1, device=self.tokens.device)
-        depth = torch.zeros(n, dtype=torch.long, device=self.tokens.device)
-        for j, parent in enumerate(self.parents.tolist()):  # parents come before their children
-            depth[j] = 1 if parent < 0 else depth[parent] + 1
-        return depth
 
 
 def _own_probs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -124,15 +115,17 @@ class BlockProposer:
     Args:
         draft: the drafter as the loop calls it (``cache_reuse.Resume.draft``); facts: the call's
             ``target_facts.TargetFacts`` (embedding and head); draft_cache: the draft's context cache;
-        sampling: the call's ``speculative_sampling._Sampling``; mask_token_id; draft_window: see ``spec_generate``.
+        sampling: the call's ``speculative_sampling._Sampling``; mask_token_id; draft_window: see ``spec_generate``;
+        tree_budget: ``spec_generate``'s (None: a chain; N: a tree of at most N drafted nodes, ``draft_trees.py``).
     """
 
     slot_states = False  # the draft pass returns the slots' logits only
     static_loop = True  # the fixed-shape loop (static_generate.py) drafts this kind too
 
-    def __init__(self, draft, facts, draft_cache, sampling, mask_token_id: int, draft_window=None):
+    def __init__(self, draft, facts, draft_cache, sampling, mask_token_id: int, draft_window=None, tree_budget=None):
         self.draft, self.facts, self.draft_cache, self.sampling = draft, facts, draft_cache, sampling
         self.mask_token_id, self.window = mask_token_id, {} if draft_window is None else {"draft_window": draft_window}
+        self.tree_budget = tree_budget
 
     def draft_pass(self, rows, b: int):
         """The block's draft pass (``_draft_logits``, looked up at call time so tests can replace it)."""
@@ -143,10 +136,19 @@ class BlockProposer:
     def propose(self, rows, b: int, positions: torch.Tensor) -> Proposal:
         """Draft ``b - 1`` tokens after each row's anchor; ``positions`` ``(A, b)`` those of the block."""
         drafted = self.draft_pass(rows, b)
-        tokens, q, probs = self.choose(*drafted if self.slot_states else (drafted,), rows=rows)
-        device = positions.device
         rows.context_drafted(self.draft_cache.get_seq_length())
+        device = positions.device
+        if self.tree_budget is not None:
+            tree = tree_batch(self.trees(*drafted if self.slot_states else (drafted,), rows=rows), device)
+            tokens = tree.tokens
+            return Proposal(tokens, rows.start[:, None] + tree.depths, tokens.new_zeros(tokens.shape, dtype=torch.float32),
+                            tree=tree)
+        tokens, q, probs = self.choose(*drafted if self.slot_states else (drafted,), rows=rows)
         return Proposal(tokens if tokens.device == device else tokens.to(device), positions, probs, q)
+
+    def trees(self, draft_logits: torch.Tensor, rows) -> list:
+        """DDTree's best-first trees over the slots' raw draft log-probs (``draft_trees.block_trees``)."""
+        return block_trees(draft_logits, self.tree_budget)
 
     def choose(self, draft_logits: torch.Tensor, rows):
         """``(tokens (A, n), q (A, n, V) or None, token_probs (A, n))``: [`choose_tokens`]."""
@@ -225,6 +227,16 @@ class SelectorProposer(BlockProposer):
             q = walked.q.to(draft_logits.device)
             return tokens, q, _gather(q, tokens)
         return tokens, None, _own_probs(logits, walked.tokens).to(draft_logits.device)
+
+    def trees(self, draft_logits: torch.Tensor, slot_hidden: torch.Tensor, rows) -> list:
+        """Trees from the selector's pairwise scores (``draft_trees.selector_trees``), over the slots' draft
+        logits after the processors that do not read the prefix (warpers excluded, as in the walk)."""
+        procs = LogitsProcessorList(p for p in self.sampling.procs if not isinstance(p, _WARPERS) and prefix_free(p))
+        logits = draft_logits.to(slot_hidden.device)
+        if len(procs):
+            a, n, v = logits.shape
+            logits = procs(logits.new_zeros(a * n, 1, dtype=torch.long), logits.reshape(a * n, v).float()).view(a, n, v)
+        return selector_trees(self.draft.candidate_selector, slot_hidden, logits, rows.anchor, self.tree_budget)
 
 
 def proposer_for(draft):

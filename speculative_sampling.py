@@ -12,8 +12,10 @@ from transformers import LogitsProcessorList
 from transformers.generation import logits_process as _lp
 
 try:
+    from .draft_trees import Verdict, verify_tree
     from .user_processors import is_user_processor, lockstep, process_rows, replay, step_copies
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from draft_trees import Verdict, verify_tree
     from user_processors import is_user_processor, lockstep, process_rows, replay, step_copies
 
 
@@ -206,18 +208,28 @@ class _Sampling:
         return torch.stack([self._at(procs, rows, drafts[:, :j], target_logits[:, j])
                             for j in range(target_logits.shape[1])], dim=1)
 
-    def verify(self, proposal, target_logits, rows):
-        """``(accepted (A,), next_token (A,), scores (A, n + 1, V) or None)`` of a chain ``proposal``
-        (``proposers.Proposal``: its tokens ``(A, n)`` and q) against the target's logits ``(A, n + 1, V)``
-        at the anchor and each node; see ``speculative_verify``.
+    def verify(self, proposal, target_logits, rows) -> Verdict:
+        """The ``draft_trees.Verdict`` of ``proposal`` (``proposers.Proposal``) against the target's logits
+        ``(A, n + 1, V)`` at the anchor and each node. A chain: its tokens ``(A, n)`` and q through
+        ``speculative_verify`` (greedy: the longest prefix equal to the target's argmax); a tree:
+        ``draft_trees.verify_tree`` (follow the target's own choice at each node).
 
         ``scores`` are the processed target scores (None on the greedy path without processors). With the
-        caller's processors, rows commit in lockstep (``user_processors.lockstep``)."""
+        caller's processors, rows commit in lockstep (``user_processors.lockstep``; never with a tree)."""
+        if proposal.tree is not None:
+            return verify_tree(self, proposal.tree, target_logits, rows)
         drafts, q = proposal.tokens, proposal.q
         accepted, next_token, scores = self._verify(drafts, q, target_logits, rows)
         if self.user:
             accepted, next_token = lockstep(accepted, next_token, drafts)
-        return accepted, next_token, scores
+        return Verdict(accepted, next_token, scores, drafts, target_logits)
+
+    def node_scores(self, procs, rows, sel: torch.Tensor, ext: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``(g, V)`` fp32 processed scores at one tree node of each selected row ``sel`` ``(g,)``, whose path
+        below the anchor is ``ext`` ``(g, depth)``: the processors see the row's prefix, then that path."""
+        if not self.needs_prefix:
+            return self.processed(scores[:, None])[:, 0]
+        return _process_at(procs, self.history, rows.ids[sel], self._lengths(rows)[sel], ext, scores)
 
     def _verify(self, drafts, q, target_logits, rows):
         if not self.do_sample:  # greedy: keep drafts equal to the target's (processed) argmax

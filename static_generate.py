@@ -379,7 +379,7 @@ def _static_steps(draft, target, input_ids, b, mask_token_id, sampling, output_t
             logits, features = verify(target, target_cache, block, positions, layer_ids, cache_kw, pass_cache_position,
                                       feature_device)
         out.num_target_forwards += 1
-        accepted, next_token, scores = sampling.verify(proposal, logits, rows)
+        accepted, next_token, scores = sampling.verify(proposal, logits, rows)[:3]
         counts, finished = _commit(run, rows, accepted, block[:, 1:], next_token, scores, logits)  # the step's one host sync
         done = finished[0] or run.stops.timed_out()
         c = counts[0]  # anchor + accepted drafts enter the caches; next_token is the new anchor

@@ -99,5 +99,22 @@ class TargetFacts:
         return _families.target_mask(self.windows, tokens_valid, positions, key_valid, known_masked=True,
                                      dtype=self.mask_dtype, flash=self.flash)
 
+    def tree_mask(self, key_valid, cache_len: int, positions, visible):
+        """The 4-D mask of a draft tree's verify forward (``target_families.window_masks``).
+
+        Args:
+            key_valid: ``(A, cache_len)`` validity of the cached slots, or None (every slot valid).
+            positions: ``(A, n + 1)`` the nodes' true positions (``start + depth``); visible: ``(A, n + 1, n + 1)``
+                bool, each node's ancestors and itself (``draft_trees.TreeBatch.visible``).
+        Each node sees the committed context (windows counted in true positions) and its own ancestors only.
+        """
+        a, q = positions.shape
+        if key_valid is None:
+            key_valid = positions.new_ones(a, cache_len)
+        k_pos = torch.cat([key_valid.long().cumsum(1) - 1, positions], dim=1)  # (A, cache_len + n + 1)
+        valid = torch.cat([key_valid.long(), positions.new_ones(a, q)], dim=1)
+        allowed = torch.cat([visible.new_ones(a, q, cache_len), visible], dim=2)  # (A, n + 1, cache_len + n + 1)
+        return _families.window_masks(self.windows or {None: None}, positions, k_pos, valid, self.mask_dtype, allowed)
+
 
 __all__ = ["TargetFacts"]

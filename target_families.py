@@ -132,7 +132,7 @@ def sliding_target(target) -> bool:
     return bool(layer_windows(target))
 
 
-def window_masks(windows: dict, q_pos, k_pos, key_valid, dtype):
+def window_masks(windows: dict, q_pos, k_pos, key_valid, dtype, allowed=None):
     """Additive 4-D masks ``(B, 1, Q, K)`` counting causality and windows in TRUE positions.
 
     Args:
@@ -141,12 +141,16 @@ def window_masks(windows: dict, q_pos, k_pos, key_valid, dtype):
             of every key (cache slots followed by the queries).
         dtype: the target's float dtype (0 = attend, dtype min = masked; never -inf, so a fully
             masked padding query stays finite).
+        allowed: ``(B, Q, K)`` bool or None: keys each query may see besides causality and windows (a draft
+            tree's ancestor visibility, ``draft_trees.TreeBatch.visible``, after the cache slots).
 
     Returns a tensor (``windows`` keyed by None) or ``{layer_type: tensor}`` (models with
     ``layer_types`` read such a dict as their precomputed mask mapping).
     """
     diff = q_pos[:, :, None] - k_pos[:, None, :]  # (B, Q, K)
     base = key_valid[:, None, :].bool() & (diff >= 0)
+    if allowed is not None:
+        base = base & allowed
     low = torch.finfo(dtype).min
     out = {}
     for kind, window in windows.items():
