@@ -118,7 +118,7 @@ def assert_tree_beats_chain(draft, target, monkeypatch, prompts, budget=32, sele
 def test_dense_qwen3_tree_equals_generate_and_commits_more_than_the_chain(monkeypatch):
     """Planted bugs caught: siblings visible to each other in the tree mask (``visible[:, :, 0:] = True`` for
     every node); ``position = start + node index``; ``compact_cache`` keeping the first ``W`` tree slots
-    instead of the path's; the walk following a child whatever its token (fewer or wrong tokens)."""
+    instead of the path's."""
     target = tiny_target(peaked=True)
     out = assert_tree_beats_chain(tiny_draft(block_size=BLOCK), target, monkeypatch, [PROMPTS[n] for n in LENS])
     assert out.row_draft_lengths[0][0] == BLOCK - 1  # a tree's drafted length is its depth
