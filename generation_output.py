@@ -72,7 +72,8 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
 
     def slot_acceptance(self) -> list:
         """Acceptance rate of draft slot ``k = 1..K``: steps that accepted >= k drafts / steps that drafted
-        slot k (all rows pooled); None for a slot no step drafted."""
+        slot k (all rows pooled); None for a slot no step drafted. With draft trees (``tree_budget``) slot
+        ``k`` is depth ``k``: steps that accepted >= k nodes / steps whose tree reached depth k."""
         drafted = [d for row in self.row_draft_lengths or [] for d in row]
         accepted = [a for row in self.row_accepted_drafts or [] for a in row]
         rates = []
@@ -145,7 +146,7 @@ def plot_acceptance(result, block_size: Optional[int] = None):
     fig = Figure(figsize=(10, 3.5), layout="constrained")
     slots, hist = fig.subplots(1, 2)
     slots.bar(range(1, b), rates, color="tab:blue")
-    slots.set(xlabel="draft slot k", ylabel="share of steps accepting slot k", ylim=(0, 1),
+    slots.set(xlabel="draft slot k (with trees: depth k)", ylabel="share of steps accepting slot k", ylim=(0, 1),
               title="per-slot acceptance")
     hist.hist(lengths, bins=[x - 0.5 for x in range(1, b + 2)], color="tab:green", rwidth=0.85)
     hist.axvline(tau, color="black", linestyle="--", label=f"tau = {tau:.2f}")
