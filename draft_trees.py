@@ -180,21 +180,23 @@ class TreeBatch(NamedTuple):
 
 
 def tree_batch(trees: list, device) -> TreeBatch:
-    """[`TreeBatch`] of ``trees`` on ``device`` (built on the host, one transfer)."""
+    """[`TreeBatch`] of ``trees`` on ``device``: built as host lists, then one tensor each (a per-node tensor
+    write costs more than the whole list build at these sizes)."""
     n = max(t.size for t in trees)
-    tokens = torch.zeros(len(trees), n, dtype=torch.long)
-    depths = torch.ones(len(trees), n + 1, dtype=torch.long)
-    visible = torch.zeros(len(trees), n + 1, n + 1, dtype=torch.bool)
-    visible[:, :, 0] = True
-    for a, tree in enumerate(trees):
-        depths[a, 0] = 0
-        for node in range(1, tree.size + 1):
-            tokens[a, node - 1] = tree.tokens[node]
-            depths[a, node] = tree.depths[node]
-            visible[a, node] = visible[a, tree.parents[node]]
-            visible[a, node, node] = True
-        visible[a].diagonal().fill_(True)  # padded nodes see themselves (and the anchor)
-    return TreeBatch(tokens.to(device), depths.to(device), visible.to(device), trees)
+    tokens, depths, visible = [], [], []
+    for tree in trees:
+        size = tree.size
+        tokens.append(tree.tokens[1:] + [0] * (n - size))
+        depths.append(tree.depths + [1] * (n - size))
+        rows = [[True] + [False] * n]
+        for node in range(1, n + 1):
+            row = rows[tree.parents[node]][:] if node <= size else [True] + [False] * n
+            row[node] = True
+            rows.append(row)
+        visible.append(rows)
+    as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype).to(device)  # noqa: E731
+    return TreeBatch(as_tensor(tokens, torch.long).view(len(trees), n), as_tensor(depths, torch.long),
+                     as_tensor(visible, torch.bool), trees)
 
 
 class Verdict(NamedTuple):

@@ -386,3 +386,67 @@ def test_static_cache_runs_the_dynamic_tree_loop(caplog):
                                   cache_implementation="static")
     assert torch.equal(out, ref)
     assert any("tree" in r.getMessage() for r in caplog.records)
+
+
+def test_tree_budget_through_custom_generate_and_pipelines():
+    """The shipped pair: ``target.generate(custom_generate=<drafter folder>, tree_budget=...)`` and a
+    text-generation pipeline run trees (a budget of 1 drafts depth 1, the chain 15; a budget of 0 is
+    refused, so the argument reached spec_generate) and give generate's own output."""
+    from test_entry_points import PAIR, prompts
+    draft, target, tok = _load_pair(PAIR)  # the shipped pair, loaded as users load it
+    enc = tok(prompts(1)[0], return_tensors="pt", add_special_tokens=False)
+    route = dict(custom_generate=str(PAIR / "drafter"), trust_remote_code=True, assistant_model=draft)
+    ref = target.generate(**enc, max_new_tokens=24, do_sample=False)
+    out = target.generate(**enc, max_new_tokens=24, do_sample=False, tree_budget=1, return_dict_in_generate=True,
+                          **route)
+    assert torch.equal(out.sequences, ref)
+    assert {d for row in out.row_draft_lengths for d in row[:-1]} == {1}
+    with pytest.raises(ValueError, match="tree_budget"):
+        target.generate(**enc, max_new_tokens=4, do_sample=False, tree_budget=0, **route)
+    pipe = transformers.pipeline("text-generation", model=target, tokenizer=tok)
+    text = prompts(2)[1]
+    assert pipe(text, max_new_tokens=24, do_sample=False, tree_budget=6, **route) == \
+        pipe(text, max_new_tokens=24, do_sample=False)
+
+
+def _load_pair(pair_dir):
+    draft = transformers.AutoModel.from_pretrained(pair_dir / "drafter", trust_remote_code=True,
+                                                   dtype=torch.float32).eval()
+    target = transformers.AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
+    return draft, target, transformers.AutoTokenizer.from_pretrained(pair_dir / "target")
+
+
+def test_prefix_processors_and_scores_with_trees(monkeypatch):
+    """Greedy under a repetition penalty (each node processed with its own path: the depth-by-depth walk)
+    equals generate, and ``output_scores`` are generate's processed scores of every committed token."""
+    target = tiny_target(peaked=True)
+    prompt = PROMPTS[11]
+    ref = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW,
+                          repetition_penalty=1.5, output_scores=True, return_dict_in_generate=True)
+    steps = install_oracle(monkeypatch, [ref.sequences])
+    out = tiny_draft(block_size=BLOCK).spec_generate(target, prompt, max_new_tokens=NEW, temperature=0.0,
+                                                     block_size=BLOCK, tree_budget=32, repetition_penalty=1.5,
+                                                     output_scores=True, return_dict_in_generate=True)
+    assert steps and torch.equal(out.sequences, ref.sequences)
+    assert max(out.acceptance_lengths) == BLOCK
+    assert len(out.scores) == NEW
+    for mine, theirs in zip(out.scores, ref.scores):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_sampled_walk_with_top_k_1_is_greedy_in_a_ragged_batch(monkeypatch):
+    """Sampling with ``top_k=1`` draws the target's argmax at every visited node: the sampled walk (no
+    prefix processors) must reproduce greedy generate in a ragged batch, with trees accepted deep."""
+    target = tiny_target(peaked=True)
+    prompts = [PROMPTS[n] for n in LENS]
+    refs = [_generate(target, p, NEW) for p in prompts]
+    ids, mask = _left_pad(prompts)
+    steps = install_oracle(monkeypatch, refs)
+    out = tiny_draft(block_size=BLOCK).spec_generate(target, ids, attention_mask=mask, max_new_tokens=NEW,
+                                                     do_sample=True, top_k=1, block_size=BLOCK, tree_budget=32,
+                                                     generator=torch.Generator().manual_seed(0),
+                                                     return_dict_in_generate=True)
+    assert steps
+    for r, p in enumerate(prompts):
+        assert torch.equal(out.sequences[r, ids.shape[1]:], refs[r][0, p.shape[1]:]), r
+    assert max(max(x) for x in out.row_acceptance_lengths) == BLOCK
