@@ -50,14 +50,16 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
 class HostTree(NamedTuple):
     """One row's tree on the host. Node 0 is the anchor; nodes ``1..n`` are drafted, parents before children.
 
-    ``tokens``, ``parents``, ``depths``: lists of length ``n + 1`` (entry 0: the anchor, token None,
-    parent -1, depth 0). ``children``: for every node, ``{token: child node}``.
+    ``tokens``, ``parents``, ``depths``, ``log_probs``: lists of length ``n + 1`` (entry 0: the anchor, token
+    None, parent -1, depth 0, log-prob 0); ``log_probs[j]``: the drafter's log-prob of node ``j``'s token
+    given its parent. ``children``: for every node, ``{token: child node}``.
     """
 
     tokens: list
     parents: list
     depths: list
     children: list
+    log_probs: list
 
     @property
     def size(self) -> int:
@@ -90,7 +92,7 @@ def best_first(root: _Children, expand, budget: int, depth_limit: int) -> HostTr
     A popped node offers its next sibling (same parent, next rank) and its own best child; ties break
     by (parent, rank), so the tree is a deterministic function of the scores.
     """
-    tree = HostTree([None], [-1], [0], [{}])
+    tree = HostTree([None], [-1], [0], [{}], [0.0])
     offers, score = [root], [0.0]  # offers[node]: its children; score[node]: its path log-prob
     heap = [(-root.log_probs[0], 0, 0)] if root.tokens and depth_limit > 0 else []
     while heap and tree.size < budget:
@@ -102,6 +104,7 @@ def best_first(root: _Children, expand, budget: int, depth_limit: int) -> HostTr
         tree.parents.append(parent)
         tree.depths.append(depth)
         tree.children.append({})
+        tree.log_probs.append(siblings.log_probs[rank])
         tree.children[parent].setdefault(token, node)
         score.append(-neg)
         if rank + 1 < len(siblings.tokens):
@@ -167,13 +170,15 @@ def selector_trees(selector, slot_hidden: torch.Tensor, logits: torch.Tensor, an
 class TreeBatch(NamedTuple):
     """The rows' trees as tensors, padded to one node count ``n`` (the widest row's).
 
-    ``tokens`` ``(A, n)`` long (node ``j + 1``'s token at column ``j``); ``depths`` ``(A, n + 1)`` long
+    ``tokens`` ``(A, n)`` long (node ``j + 1``'s token at column ``j``); ``token_probs`` ``(A, n)`` fp32, the
+    drafter's probability of each node's token given its parent (0 for padding); ``depths`` ``(A, n + 1)`` long
     (column 0: the anchor, depth 0); ``visible`` ``(A, n + 1, n + 1)`` bool, ``visible[a, i, j]``: node
     ``j`` is node ``i`` or one of its ancestors (a padded node sees the anchor and itself, and no node
     sees it); ``host``: the [`HostTree`] list.
     """
 
     tokens: torch.Tensor
+    token_probs: torch.Tensor
     depths: torch.Tensor
     visible: torch.Tensor
     host: list
@@ -183,10 +188,11 @@ def tree_batch(trees: list, device) -> TreeBatch:
     """[`TreeBatch`] of ``trees`` on ``device``: built as host lists, then one tensor each (a per-node tensor
     write costs more than the whole list build at these sizes)."""
     n = max(t.size for t in trees)
-    tokens, depths, visible = [], [], []
+    tokens, log_probs, depths, visible = [], [], [], []
     for tree in trees:
         size = tree.size
         tokens.append(tree.tokens[1:] + [0] * (n - size))
+        log_probs.append(tree.log_probs[1:] + [float("-inf")] * (n - size))
         depths.append(tree.depths + [1] * (n - size))
         rows = [[True] + [False] * n]
         for node in range(1, n + 1):
@@ -195,7 +201,8 @@ def tree_batch(trees: list, device) -> TreeBatch:
             rows.append(row)
         visible.append(rows)
     as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype).to(device)  # noqa: E731
-    return TreeBatch(as_tensor(tokens, torch.long).view(len(trees), n), as_tensor(depths, torch.long),
+    return TreeBatch(as_tensor(tokens, torch.long).view(len(trees), n),
+                     as_tensor(log_probs, torch.float32).view(len(trees), n).exp(), as_tensor(depths, torch.long),
                      as_tensor(visible, torch.bool), trees)
 
 

@@ -141,8 +141,7 @@ class BlockProposer:
         if self.tree_budget is not None:
             tree = tree_batch(self.trees(*drafted if self.slot_states else (drafted,), rows=rows), device)
             tokens = tree.tokens
-            return Proposal(tokens, rows.start[:, None] + tree.depths, tokens.new_zeros(tokens.shape, dtype=torch.float32),
-                            tree=tree)
+            return Proposal(tokens, rows.start[:, None] + tree.depths, tree.token_probs, tree=tree)
         tokens, q, probs = self.choose(*drafted if self.slot_states else (drafted,), rows=rows)
         return Proposal(tokens if tokens.device == device else tokens.to(device), positions, probs, q)
 

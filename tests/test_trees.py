@@ -19,6 +19,7 @@ import generation_utils
 import proposers
 from family_targets import family_target
 from patching import patch_called
+from test_families import _left_pad
 from test_dflash2_generate import dflash2_draft
 from tiny import VOCAB, tiny_draft, tiny_target
 
@@ -33,15 +34,6 @@ REAL_DRAFT_LOGITS = proposers._draft_logits  # the oracles below call the real p
 
 def _generate(target, ids, n, **kw):
     return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, **kw)
-
-
-def _left_pad(prompts):
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
-    return ids, mask
 
 
 def plan(step, row):
