@@ -6,6 +6,8 @@
     python -m bench --sweep 64,512,1024               # + prompt-length sweep (held-out prompts left-extended)
     python -m bench --batch-sizes 1,4,16 --block-sizes 16,8,4   # + ragged left-padded batches vs batched generate
     python -m bench --sweep 512,1024 --draft-window 256  # + package@B/window256 (spec_generate(draft_window=256))
+    python -m bench --tree-budgets 15,32,64            # + tree@N: spec_generate(tree_budget=N), draft trees
+    python -m bench --tree-budgets 15,32 --ddtree-dir DDTREE_DIR  # + ddtree@N from a local copy of DDTree's code
     python -m bench --dataset gsm8k --chat-template   # an evaluation set through `datasets` (needs the Hub)
 
 Writes a JSON report (``--out``) and a PNG plot (``--plot``), prints a markdown table; ``--acceptance-out``
@@ -66,6 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch-rounds", type=int, default=3)
     ap.add_argument("--sweep-prompts", type=int, default=8)
     ap.add_argument("--sweep-rounds", type=int, default=3)
+    ap.add_argument("--tree-budgets", default="",
+                    help="also run tree@N (spec_generate(tree_budget=N), at the first --block-sizes) for each N")
+    ap.add_argument("--ddtree-dir", help="local copy of liranringel/ddtree: adds ddtree@N for each --tree-budgets N")
     ap.add_argument("--draft-window", type=int, metavar="N",
                     help="also run package@B/windowN: spec_generate(draft_window=N), interleaved with package@B")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
@@ -103,7 +108,14 @@ def parse_args(argv=None):
         ap.error(f"--baseline {args.baseline}: no config.json there; pass a drafter folder")
     if args.reference_dir and not (Path(args.reference_dir) / "dflash" / "model.py").is_file():
         ap.error(f"--reference-dir {args.reference_dir}: expected a copy of the authors' repository (with dflash/model.py)")
-    for flag in ("sweep", "block_sizes", "batch_sizes"):
+    if args.ddtree_dir and not (Path(args.ddtree_dir) / "ddtree.py").is_file():
+        ap.error(f"--ddtree-dir {args.ddtree_dir}: expected a copy of liranringel/ddtree (with ddtree.py)")
+    if args.ddtree_dir and not args.tree_budgets:
+        ap.error("--ddtree-dir runs ddtree@N for each --tree-budgets N: pass --tree-budgets")
+    if args.ddtree_dir and args.top_k:
+        ap.error(f"--top-k {args.top_k}: DDTree's loop samples the plain tempered distribution (no top-k); "
+                 "leave --ddtree-dir out")
+    for flag in ("sweep", "block_sizes", "batch_sizes", "tree_budgets"):
         text = getattr(args, flag)
         if not all(x.strip().isdigit() and int(x) > 0 for x in text.split(",") if x.strip()) or (
                 flag == "block_sizes" and not text.strip()):
@@ -154,6 +166,11 @@ def build_contenders(args, target, draft, device, dtype) -> list:
             out.append(C.Contender("native", C.native(draft, target), draft.config.block_size))
         else:
             print("skipped native: this transformers has no DFlashTokenCandidateGenerator", file=sys.stderr)
+    budgets = [int(n) for n in args.tree_budgets.split(",") if n.strip()]
+    out += [C.Contender(f"tree@{n}", C.package(draft, target, blocks[0], tree_budget=n), blocks[0]) for n in budgets]
+    if args.ddtree_dir and budgets:
+        fn, model = C.load_ddtree(args.ddtree_dir, args.draft, dtype, device)
+        out += [C.Contender(f"ddtree@{n}", C.ddtree(fn, model, target, blocks[0], n), blocks[0]) for n in budgets]
     if "reference" in want and args.reference_dir:
         fn, ref = C.load_reference(args.reference_dir, args.draft, dtype, device)
         out += [C.Contender(f"reference@{b}", C.reference(fn, ref, target, b), b) for b in blocks]
@@ -274,8 +291,12 @@ def batch_runs(args, target, draft, prompts: list, sampling: dict, clock: str, g
     if "target" in want:
         cons["target.generate"] = (B.generate_contender(target, kw), None, None)
     package_kw = C.sampling_kwargs(sampling)
-    for b in [int(x) for x in args.block_sizes.split(",")] if "package" in want else []:
+    blocks = [int(x) for x in args.block_sizes.split(",")]
+    for b in blocks if "package" in want else []:
         cons[f"package@{b}"] = (B.package_contender(draft, target, b, package_kw), b, None)
+    for n in [int(x) for x in args.tree_budgets.split(",") if x.strip()]:
+        cons[f"tree@{n}"] = (B.package_contender(draft, target, blocks[0], dict(package_kw, tree_budget=n)), blocks[0],
+                             None)
     if "prompt_lookup" in want:
         cons["prompt_lookup"] = (B.generate_contender(target, kw, prompt_lookup_num_tokens=args.prompt_lookup_tokens),
                                  None, {1})

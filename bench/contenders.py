@@ -12,6 +12,10 @@ for all (``bench.stats``).
 * ``reference@b``: the DFlash authors' ``dflash_generate`` from a local copy of their code
   (``--reference-dir``), run as shipped under its own ``inference_mode``; on transformers 5.x
   only the positive-length ``Cache.crop`` it relies on is patched (5.x accepts negative counts only).
+* ``tree@N``: ``spec_generate(tree_budget=N)``, draft trees of at most N nodes (``--tree-budgets``).
+* ``ddtree@N``: DDTree's own ``ddtree_generate`` (Ringel & Romano) from a local copy of
+  ``liranringel/ddtree`` (``--ddtree-dir``), its code unedited, with the same positive-crop shim as the
+  authors' loop on 5.x; it samples the plain tempered distribution (no top-k).
 * ``native``: transformers' own DFlash loop (``speculation_type="dflash"``, 5.24+) with the same
   drafter through a small forward-name adapter.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -135,6 +140,57 @@ def reference(generate_fn, model, target, block_size: int) -> Callable:
             out = generate_fn(model, target, ids, max_new_tokens, stop, sampling.get("temperature") or 0.0,
                               block_size=block_size)  # return_stats needs CUDA; steps come from the probe
         return out[0, ids.shape[1]:].tolist(), None
+    return run
+
+
+# ----------------------------------------------------------------------------- DDTree's own loop
+
+
+def load_ddtree(ddtree_dir, draft_dir, dtype, device):
+    """(``ddtree_generate``, DDTree's ``DFlashDraftModel`` with the drafter's weights loaded strictly).
+
+    ``ddtree_dir`` is a local copy of ``liranringel/ddtree`` (``ddtree.py``, ``dflash.py``, ``model/``). Its
+    top-level module names (``dflash``, ``model``) would shadow the authors' ``dflash`` package of
+    ``--reference-dir``: they are imported with those names set aside and put back afterwards (DDTree's
+    functions keep their own modules through their globals). Off CUDA its stage clock ``cuda_time`` (which
+    calls ``torch.cuda.synchronize()`` unconditionally) is replaced by ``time.perf_counter`` in its module:
+    a shim as the crop one, no line of its code is changed.
+
+    Raises:
+        ValueError: the folder has no ``ddtree.py``, or the weights do not load strictly.
+    """
+    ddtree_dir = Path(ddtree_dir)
+    if not (ddtree_dir / "ddtree.py").exists():
+        raise ValueError(f"--ddtree-dir {ddtree_dir} must hold DDTree's ddtree.py")
+    names = ("ddtree", "dflash", "model", "model.dflash", "model.utils")
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+    sys.path.insert(0, str(ddtree_dir))
+    try:
+        module = importlib.import_module("ddtree")
+        model_cls = sys.modules["model"].DFlashDraftModel
+    finally:
+        sys.path.remove(str(ddtree_dir))
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
+    if device.type != "cuda":
+        module.cuda_time = time.perf_counter
+    model, info = model_cls.from_pretrained(draft_dir, dtype=dtype, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v}
+    if bad:
+        raise ValueError(f"the drafter's weights do not load strictly into DDTree's model: {bad}")
+    return module.ddtree_generate, model.to(device).eval()
+
+
+def ddtree(generate_fn, model, target, block_size: int, budget: int) -> Callable:
+    eos = target.generation_config.eos_token_id
+    stop = None if eos is None else (eos if isinstance(eos, list) else [eos])
+
+    def run(ids, max_new_tokens, sampling):
+        with positive_crop_patch():
+            out = generate_fn(model, target, ids, model.mask_token_id, max_new_tokens, block_size, stop,
+                              sampling.get("temperature") or 0.0, tree_budget=budget)
+        return out.output_ids[0, ids.shape[1]:].tolist(), None
     return run
 
 

@@ -10,8 +10,8 @@ Prints one JSON line after every measurement (so a run cut short still leaves fi
   near-tie is a rounding divergence, not a wrong token).
 * ``compile``: the static path's first call (compiling) and second call, and their difference.
 * ``speed`` (b): Qwen3-8B shape with random weights built directly on the GPU in bf16; for the
-  default (dynamic) path at block 8 and 16 and the static compiled path at block 16, each with a
-  random draft (tau about 1) and an oracle draft (full acceptance; the real draft forward still runs,
+  default (dynamic) path at block 8 and 16, draft trees (tree@15, tree@64) and the static compiled
+  path at block 16, each with a random draft (tau about 1) and an oracle draft (full acceptance; the real draft forward still runs,
   then its logits are replaced by the target's own greedy tokens): ``c = seconds per verify step /
   seconds per token of plain target decoding`` (``target.generate``, dynamic cache), tau, peak memory.
   Every time is the median of ``--repeats`` runs (3 by default) after a warm-up. Plain decoding per
@@ -170,6 +170,7 @@ def check_exactness(device, dtypes, static_config, new_tokens, n_prompts):
         paths = {static_name(static_config): dict(cache_implementation="static", compile_config=static_config)}
         if static_config is None:
             paths = {"dynamic": {}, **paths}
+        paths.update({"tree@15": {"tree_budget": 15}, "tree@64": {"tree_budget": 64}})  # draft trees (dynamic loop)
         for k, text in enumerate(prompts):
             ids = tok(text, return_tensors="pt").input_ids.to(device)
             ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
@@ -296,7 +297,8 @@ def check_speed(device, dtype, shape, draft_shape, prompt_len, new_tokens, compi
          second_call_s=round(second_s, 4), compile_s=compile_s, repeats=repeats,
          refused={"compile_s": compile_why} if compile_why else None)
     check_syncs(draft, target, ids, device, compile_config, sync_tokens)
-    runs = [("dynamic", 8, {}), ("dynamic", 16, {}), (static_name(compile_config), 16, static)]
+    runs = [("dynamic", 8, {}), ("dynamic", 16, {}), (static_name(compile_config), 16, static),
+            ("tree@15", 16, {"tree_budget": 15}), ("tree@64", 16, {"tree_budget": 64})]  # draft trees, dynamic loop
     plain_need = None if plain_why is None else f"plain decode per token, refused: {plain_why}"
     for path, b, kwargs in runs:
         for draft_kind in ("random", "oracle"):
