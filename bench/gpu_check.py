@@ -11,8 +11,9 @@ Prints one JSON line after every measurement (so a run cut short still leaves fi
 * ``compile``: the static path's first call (compiling) and second call, and their difference.
 * ``speed`` (b): Qwen3-8B shape with random weights built directly on the GPU in bf16; for the
   default (dynamic) path at block 8 and 16, draft trees (tree@15, tree@64) and the static compiled
-  path at block 16, each with a random draft (tau about 1) and an oracle draft (full acceptance; the real draft forward still runs,
-  then its logits are replaced by the target's own greedy tokens): ``c = seconds per verify step /
+  path at block 16, each with a random draft (tau about 1) and an oracle draft (full acceptance; the
+  real draft forward still runs, then its logits are replaced by the target's own greedy tokens):
+  ``c = seconds per verify step /
   seconds per token of plain target decoding`` (``target.generate``, dynamic cache), tau, peak memory.
   Every time is the median of ``--repeats`` runs (3 by default) after a warm-up. Plain decoding per
   token is ``(median N-token generate - median 1-token generate) / (N - 1)``: both medians are taken
