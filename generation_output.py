@@ -8,6 +8,12 @@ from typing import Optional
 
 import torch
 from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# At least this many verify steps that drafted before a call judges its drafter (issue 39).
+MIN_DRAFTING_STEPS = 16
 
 
 class _Table(str):
@@ -183,4 +189,33 @@ def _assemble(out, input_ids, run, pad):
             out[name] = value  # ModelOutput: item and attribute
 
 
-__all__ = ["DFlashGenerateOutput", "per_slot_acceptance", "plot_acceptance"]
+def drafting_acceptance(out) -> tuple:
+    """``(steps, mean accepted drafts per step)`` over the call's verify steps that proposed at least one
+    drafted token (all rows pooled); steps with no drafted token (``block_size=1``, a plain step) do not
+    count. ``(0, None)`` when no step drafted."""
+    pairs = [(d, a) for drafted, accepted in zip(out.row_draft_lengths or [], out.row_accepted_drafts or [])
+             for d, a in zip(drafted, accepted) if d > 0]
+    return len(pairs), (sum(a for _, a in pairs) / len(pairs) if pairs else None)
+
+
+def warn_if_not_drafting(out, threshold: Optional[float]) -> None:
+    """One logging warning when at least ``MIN_DRAFTING_STEPS`` verify steps drafted and they accepted on
+    average at most ``threshold`` drafted tokens per step (None: never). The output is not changed.
+
+    Source: issue 39; a quantized DFlash 2 drafter accepted nothing for 155 batches and nobody was told
+    (SGLang #39087, #36599); a drafter on the wrong target accepts 2-12% (z-lab/dflash #152)."""
+    if threshold is None:
+        return
+    steps, mean = drafting_acceptance(out)
+    if steps >= MIN_DRAFTING_STEPS and mean <= threshold:
+        logger.warning(
+            f"the drafter is not drafting: {steps} verify steps accepted {mean:.3f} drafted tokens per step on "
+            f"average (low_acceptance_warning={threshold}). The output is the target's own, but speculative "
+            "decoding is only adding cost. Usual causes, most likely first: target_layer_ids that do not match "
+            "this target; a target of another revision or fine-tune than the drafter was trained on; a quantized "
+            "target the drafter was not trained against; a drafter quantization that broke its head. Pass "
+            "low_acceptance_warning=None to silence this.")
+
+
+__all__ = ["DFlashGenerateOutput", "drafting_acceptance", "per_slot_acceptance", "plot_acceptance",
+           "warn_if_not_drafting"]

@@ -37,6 +37,7 @@ try:
     from .generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from .generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
     from .generation_output import DFlashGenerateOutput, _assemble, _empty_output, per_slot_acceptance, plot_acceptance
+    from .generation_output import warn_if_not_drafting
     from .native_routes import CUSTOM_GENERATE_PY, native_acceptance_stats, write_custom_generate
     from .speculative_sampling import _History, _Sampling, speculative_verify
     from .static_generate import log_fallback, static_decode, static_unsupported_reason
@@ -57,6 +58,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
     from generation_output import DFlashGenerateOutput, _assemble, _empty_output, per_slot_acceptance, plot_acceptance
+    from generation_output import warn_if_not_drafting
     from native_routes import CUSTOM_GENERATE_PY, native_acceptance_stats, write_custom_generate
     from speculative_sampling import _History, _Sampling, speculative_verify
     from static_generate import log_fallback, static_decode, static_unsupported_reason
@@ -135,6 +137,7 @@ def spec_generate(
     draft_window: Optional[int] = None,
     inference_mode: bool = True,
     tree_budget: Optional[int] = None,
+    low_acceptance_warning=NOT_PASSED,
     **kwargs,
 ):
     """Generate with ``target``, drafting blocks with ``draft``; the output is the target's own.
@@ -216,6 +219,11 @@ def spec_generate(
             when tensors made during the call must be usable by autograd afterwards (e.g. features kept
             by the caller's own forward hooks).
         mask_token_id: override of ``draft.config.mask_token_id``.
+        low_acceptance_warning: accepted drafts per step (default 0.1, or the ``generation_config``'s
+            ``low_acceptance_warning`` attribute) at or under which a call that ran at least 16 verify steps
+            with drafted tokens logs one warning that the drafter is not drafting, naming the figure and the
+            usual causes (``generation_output.warn_if_not_drafting``; steps with no drafted token do not
+            count). None: never. The output is never changed by it.
         tree_budget: None (default: each step verifies one chain of drafts), or an integer N >= 1: each step
             verifies a tree of at most N drafted nodes below the anchor in one target forward
             (``draft_trees.py``): DFlash 1 drafters get DDTree's best-first tree over the slots' raw draft
@@ -306,6 +314,12 @@ def spec_generate(
     _check_int("block_size", block_size, 1, trained)
     check_draft_window(draft_window)
     check_tree(tree_budget, adaptive=adaptive_block_size, facts=facts)
+    if low_acceptance_warning is NOT_PASSED:
+        low_acceptance_warning = getattr(generation_config or target.generation_config, "low_acceptance_warning", 0.1)
+    if low_acceptance_warning is not None and (isinstance(low_acceptance_warning, bool) or not isinstance(
+            low_acceptance_warning, (int, float)) or low_acceptance_warning < 0):
+        raise ValueError(f"low_acceptance_warning={low_acceptance_warning!r} must be None or a number >= 0 "
+                         "(accepted drafted tokens per verify step)")
     mask_token_id = draft.config.mask_token_id if mask_token_id is None else mask_token_id
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab:
         raise ValueError(f"mask_token_id={mask_token_id!r} must be an integer in [0, {vocab}) (the target vocabulary)")
@@ -332,7 +346,8 @@ def spec_generate(
                           mask_token_id=mask_token_id, generator=generator, sample_draft=sample_draft,
                           streamer=streamer, output_timings=output_timings, static=static,
                           adaptive=adaptive_block_size, inference_mode=inference_mode, passed_cache=passed_cache,
-                          vision=vision, draft_window=draft_window, facts=facts, tree_budget=tree_budget)
+                          vision=vision, draft_window=draft_window, facts=facts, tree_budget=tree_budget,
+                          low_acceptance=low_acceptance_warning)
 
     if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
         if streamer is not None:
@@ -351,11 +366,12 @@ def spec_generate(
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
                generator, sample_draft, streamer, output_timings, static=None, adaptive=False, inference_mode=True,
-               passed_cache=None, vision=None, draft_window=None, facts=None, tree_budget=None):
+               passed_cache=None, vision=None, draft_window=None, facts=None, tree_budget=None, low_acceptance=None):
     """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``.
     ``vision``: the call's multimodal prompt (``target_families.VisionPrompt``), or None. ``facts``: the
     target's ``TargetFacts``, completed here with the prompt's (execution device, longrope switch crossed).
-    ``tree_budget``: see ``spec_generate``; refused here with the caller's own logits processors."""
+    ``tree_budget``: see ``spec_generate``; refused here with the caller's own logits processors.
+    ``low_acceptance``: ``spec_generate``'s ``low_acceptance_warning``, resolved."""
     _check_refused(config)
     bsz = input_ids.shape[0]
     if bsz > 1 and streamer is not None:
@@ -401,6 +417,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     if return_dict or passed_cache is not None:  # the cache reaches the user: no inference tensors in it
         leave_inference_mode(out.get(CACHE_FIELD))
     _trim_to_batch_end(run)  # no eos criterion: rows end where the batch's last row stopped
+    warn_if_not_drafting(out, low_acceptance)
     _assemble(out, input_ids, run, pad)
     if streamer is not None:
         streamer.end()

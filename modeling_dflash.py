@@ -415,6 +415,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                              for i in range(config.num_hidden_layers)]
         self.post_init()
 
+    def get_input_embeddings(self):
+        """None: the drafter has no embedding of its own (it reads the target's); quantizers ask for it."""
+        return None
+
     @property
     def block_size(self) -> int:
         return self.config.block_size
@@ -510,7 +514,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             return BaseModelOutputWithPast(last_hidden_state=hidden)
         if noise_embedding is None or target_hidden is None:
             raise ValueError("forward needs noise_embedding (b, q_len, H) and target_hidden (b, ctx_len, n_feat * H_t)")
-        dtype = self.fc.weight.dtype
+        dtype = self.hidden_norm.weight.dtype  # the compute dtype (a bitsandbytes fc.weight is int8)
         hidden_states = noise_embedding.to(device=self.fc.weight.device, dtype=dtype)
         target_hidden = self.hidden_norm(self.fc(target_hidden.to(device=hidden_states.device, dtype=dtype)))
         position_ids = position_ids.to(hidden_states.device)

@@ -416,7 +416,8 @@ def draft_block_embedding(config, embed, ids: torch.LongTensor) -> torch.Tensor:
     transformers' DFlash generator add Gemma's scale, and the published Gemma 4 drafter is served there.
 
     An accelerate-offloaded table (weight on ``meta``) is brought in with the module's own hook
-    (``pre_forward`` / ``post_forward``), so the raw row is read exactly.
+    (``pre_forward`` / ``post_forward``), so the raw row is read exactly; a tensor-parallel table
+    (``DTensor``) is read across its shards ([`_sharded_embedding`]).
     """
     scale = block_embedding_scale(config, embed)
     weight, hook = embed.weight, getattr(embed, "_hf_hook", None)
@@ -426,17 +427,41 @@ def draft_block_embedding(config, embed, ids: torch.LongTensor) -> torch.Tensor:
             rows = torch.nn.functional.embedding(ids.to(embed.weight.device), embed.weight)
         finally:
             hook.post_forward(embed, None)
+    elif _is_dtensor(weight):  # a tensor-parallel target (tp_plan="auto"): the table is sharded across ranks
+        rows = _sharded_embedding(ids.to(weight.device), weight)
     else:
         rows = torch.nn.functional.embedding(ids if ids.device == weight.device else ids.to(weight.device), weight)
     return rows if scale is None else rows * scale
+
+
+def _is_dtensor(weight) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support
+        return False
+    return isinstance(weight, DTensor)
+
+
+def _sharded_embedding(ids, weight):
+    """Rows of a ``DTensor`` embedding table (transformers' tensor parallelism shards it rowwise on 5.x) for
+    plain ``ids`` on every rank: the ids enter as a replicated ``DTensor``, the lookup runs sharded, and the
+    rows come back whole (``full_tensor``), the same on every rank. Exact: each row is read from the one
+    rank that holds it. Source: issue 39 (5.24 raised "aten.embedding.default got mixed torch.Tensor and
+    DTensor" in the draft's block embedding)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    ids = DTensor.from_local(ids, weight.device_mesh, [Replicate()] * len(weight.placements), run_check=False)
+    return torch.nn.functional.embedding(ids, weight).full_tensor()
 
 
 def draft_logits(config, head, hidden: torch.Tensor) -> torch.Tensor:
     """Draft logits ``(B, n, V)`` from final draft states ``(B, n, H)``: ``head(h)``, times
     ``config.output_multiplier``, then soft-capped ``cap * tanh(logits / cap)`` with
     ``config.final_logit_softcapping`` (each step only when the drafter config sets it; the keys
-    engines read on drafter configs, notes section 7)."""
-    logits = head(hidden if hidden.dtype == head.weight.dtype else hidden.to(head.weight.dtype))
+    engines read on drafter configs, notes section 7). A quantized head (an integer weight: bitsandbytes)
+    takes the states in their own float dtype."""
+    dtype = head.weight.dtype
+    logits = head(hidden if hidden.dtype == dtype or not dtype.is_floating_point else hidden.to(dtype))
     multiplier = getattr(config, "output_multiplier", None)
     if multiplier is not None:
         logits = logits * multiplier

@@ -369,6 +369,17 @@ def test_refusals_name_tree_budget():
         draft.spec_generate(target, ids, tree_budget=4, logits_processor=transformers.LogitsProcessorList([Mine()]))
 
 
+@pytest.mark.skipif(not hasattr(transformers, "Qwen3_5ForCausalLM"),
+                    reason="hybrid targets run from transformers 5.x on (4.57 refuses them whatever the tree)")
+def test_hybrid_target_refused_with_trees():
+    from test_hybrid import hybrid_draft, tiny_hybrid
+    target, calls = tiny_hybrid("qwen3_5"), []
+    target.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match="tree_budget=4 .*hybrid linear-attention"):
+        hybrid_draft().spec_generate(target, torch.tensor([[1, 2, 3]]), tree_budget=4)
+    assert not calls  # refused before any forward
+
+
 def test_static_cache_runs_the_dynamic_tree_loop(caplog):
     draft, target = tiny_draft(), tiny_target(peaked=True)
     ids = PROMPTS[11]
