@@ -2,7 +2,8 @@
 them: greedy ``spec_generate`` equals that quantized target's own ``generate`` (the product is the target's
 output, quantized or not), chain and trees, for every quantization library installed here (bitsandbytes
 8-bit and 4-bit, torchao int8 weight-only, optimum-quanto int8); a quantized drafter runs exactly too.
-A library that is not installed is skipped with its name (``pip install -e ".[quantization]"``).
+A library that is not installed is skipped with its name (``pip install -e ".[quantization]"``). Also a
+target split by ``device_map`` with layers and head offloaded (the CPU's stand-in for several devices).
 
 Planted bug caught: the draft casting its inputs to ``fc.weight.dtype`` (int8 under bitsandbytes: the
 states are garbage, and only the closeness test sees it, since the output stays the target's).
@@ -104,3 +105,24 @@ def test_quantized_drafter_computes_what_its_float_self_computes(folders, name):
                 past_key_values=DynamicCache(), use_cache=True) for m in (quantized, plain)]
     cosine = torch.nn.functional.cosine_similarity(states[0].flatten(), states[1].flatten(), dim=0)
     assert cosine > 0.95, (name, float(cosine))
+
+
+def test_split_target_with_offloaded_layers_and_head(tmp_path):
+    """A target split by ``device_map``: its second half of layers and its head offloaded to disk (accelerate
+    brings each in for its forward), as a target bigger than one device is run; taps are read from layers
+    on both sides of the split, and the draft reads the offloaded head. Greedy == the split target's generate
+    (and the whole target's), chain and trees."""
+    target = tiny_target(peaked=True, seed=5)
+    target.save_pretrained(tmp_path / "t")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}
+    split = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "t", device_map=device_map,
+                                                              offload_folder=str(tmp_path / "off")).eval()
+    assert split.lm_head.weight.device.type == "meta" and split.model.layers[2].mlp.up_proj.weight.device.type == "meta"
+    split.generation_config.eos_token_id = split.generation_config.pad_token_id = None
+    ids = torch.tensor([[5, 17, 33, 2, 61, 8, 40, 11]])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20)
+    assert torch.equal(split.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20), ref)
+    draft = tiny_draft(target_layer_ids=[0, 2])
+    for extra in ({}, {"tree_budget": 6}):
+        assert torch.equal(draft.spec_generate(split, ids, max_new_tokens=20, temperature=0.0, **extra), ref), extra
