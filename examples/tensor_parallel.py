@@ -30,7 +30,7 @@ def main():
     draft = transformers.AutoModel.from_pretrained(PAIR / "drafter", trust_remote_code=True,
                                                    dtype=torch.float32).eval().to(target.device)
     tok = transformers.AutoTokenizer.from_pretrained(PAIR / "target")
-    prompt = json.loads((PAIR / "heldout_prompts.json").read_text())[0]["prompt"]
+    prompt = json.loads((PAIR / "heldout_prompts.json").read_text())[1]["prompt"]
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(target.device)
     t0 = time.perf_counter()
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64)
