@@ -187,6 +187,42 @@ def check_exactness(device, dtypes, static_config, new_tokens, n_prompts):
         del target, draft
 
 
+def check_big_targets(device, new_tokens, n_prompts):
+    """The shipped pair's target split over two GPUs (``device_map``, when the machine has two) and
+    quantized to FP8 on load (``FineGrainedFP8Config``): greedy ``spec_generate`` against that target's own
+    ``generate`` (a divergence is reported with its logit margin: a quantized kernel may round a verify
+    block differently from a one-token decode). Each case that cannot run here prints why."""
+    tok = AutoTokenizer.from_pretrained(ROOT / "pair" / "target")
+    prompts = [p["prompt"] for p in json.loads((ROOT / "pair" / "heldout_prompts.json").read_text())][:n_prompts]
+    cases = {}
+    if torch.cuda.device_count() >= 2:
+        cases["split_2_gpus"] = dict(device_map="auto", max_memory={0: "300MiB", 1: "40GiB"}, dtype=torch.bfloat16)
+    else:
+        emit(check="big_target", case="split_2_gpus", refused={"equal": "one GPU on this machine"})
+    if hasattr(transformers, "FineGrainedFP8Config"):
+        cases["fp8"] = dict(quantization_config=transformers.FineGrainedFP8Config(), dtype=torch.bfloat16,
+                            device_map={"": device.index or 0})
+    for case, kwargs in cases.items():
+        try:
+            target = AutoModelForCausalLM.from_pretrained(ROOT / "pair" / "target", **kwargs).eval()
+            draft = DFlashDraftModel.from_pretrained(ROOT / "pair" / "drafter", dtype=torch.bfloat16)
+            draft = draft.to(target.get_output_embeddings().weight.device).eval()
+            for k, text in enumerate(prompts):
+                ids = tok(text, return_tensors="pt").input_ids.to(target.device)
+                ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
+                for name, extra in (("chain", {}), ("tree@15", {"tree_budget": 15})):
+                    out = draft.spec_generate(target, ids, max_new_tokens=new_tokens, temperature=0.0,
+                                              stop_token_ids=[], return_dict_in_generate=True, **extra)
+                    at, margin = first_divergence_margin(target, ref, out.sequences, ids.shape[1])
+                    emit(check="big_target", case=case, path=name, prompt=k, equal=at is None, first_divergence=at,
+                         logit_margin=margin, tau=round(out.tau, 3))
+            del target, draft
+        except Exception as err:  # a case this machine cannot run: say why, go on with the others
+            emit(check="big_target", case=case, refused={"equal": f"{type(err).__name__}: {str(err)[:300]}"})
+        torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------------- (b) speed
 
 
@@ -396,6 +432,7 @@ def main(argv=None):
                     compile_config=compile_config, sync_tokens=17, repeats=args.repeats)
         torch.cuda.empty_cache()
         check_exactness(device, [torch.bfloat16, torch.float16], compile_config, new_tokens=64, n_prompts=4)
+        check_big_targets(device, new_tokens=64, n_prompts=2)
     else:
         compile_config = None  # the static path uncompiled: tests/test_static_generate.py compiles it on CPU
         check_exactness(device, [torch.float32], None, new_tokens=12, n_prompts=1)
