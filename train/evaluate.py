@@ -33,7 +33,8 @@ def acceptance_stats(draft, target, prompt_ids: list[torch.Tensor], max_new_toke
     try:
         for ids in prompt_ids:
             out = spec_generate(draft, target, ids, max_new_tokens=max_new_tokens, temperature=0.0,
-                                block_size=block_size, stop_token_ids=stop_token_ids, return_dict_in_generate=True)
+                                block_size=block_size, stop_token_ids=stop_token_ids, return_dict_in_generate=True,
+                                low_acceptance_warning=None)  # this measures acceptance itself, early drafters included
             for n_new, row in zip(out.num_new_tokens, out.row_acceptance_lengths):
                 new += max(int(n_new) - 1, 0)
                 steps += len(row)
