@@ -133,6 +133,13 @@ def confident_length(confidence: Optional[torch.Tensor], threshold: float) -> to
     return torch.where(below.any(-1), below.long().argmax(-1), full)
 
 
+def slot_inputs(model, hidden_states: torch.Tensor, head=None) -> tuple:
+    """``(hidden (B, b, H), logits (B, b, V))`` of every slot, from the drafter's own ``lm_head`` (``head``, the
+    target's, is not used: DeepSpec drafters carry their own copy). The loop's draft-pass seam
+    (``proposers._draft_logits(slot_states=True)``), as ``DFlash2DraftModel.selector_inputs`` is."""
+    return hidden_states, model.lm_head(hidden_states)
+
+
 def dspark_propose(model, hidden_states: torch.Tensor, anchor_ids: torch.Tensor, **walk_options) -> DSparkDraft:
     """Draft a block with a DSpark drafter: its own ``lm_head`` over all ``b`` slots of the block's hidden
     states ``(B, b, H)``, the Markov walk from ``anchor_ids`` ``(B,)``, then the confidence logits given the
@@ -145,4 +152,4 @@ def dspark_propose(model, hidden_states: torch.Tensor, anchor_ids: torch.Tensor,
 
 
 __all__ = ["ConfidenceHead", "DSparkDraft", "MarkovHead", "build_heads", "confidence_logits", "confident_length",
-           "dspark_propose", "markov_walk"]
+           "dspark_propose", "markov_walk", "slot_inputs"]

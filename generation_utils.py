@@ -301,7 +301,7 @@ def spec_generate(
     check_vocab(draft.config.vocab_size, vocab)
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask, vocab)
     _warn_unmasked_left_padding(input_ids, attention_mask, (generation_config or target.generation_config).pad_token_id)
-    trained = draft.config.block_size
+    trained = proposer_for(draft).verify_width(draft.config)  # DSpark: block_size drafts, one more verified
     block_size = trained if block_size is None else block_size
     _check_int("block_size", block_size, 1, trained)
     check_draft_window(draft_window)

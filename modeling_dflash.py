@@ -38,7 +38,7 @@ try:
     from .configuration_dflash import DFlashConfig, check_loading_info
     from .custom_generate_template import generate as _custom_generate  # noqa: F401
     from .decode_step import crop_cache  # noqa: F401
-    from .dspark import build_heads, dspark_propose
+    from .dspark import build_heads, dspark_propose, slot_inputs
     from .dflash2 import CODEBOOK_KEY_MAPPING, CandidateSelector, GroupedDynamicCausalConv, SelectorDraft, selector_walk
     from .generation_arguments import NOT_PASSED  # noqa: F401
     from .generation_output import DFlashGenerateOutput  # noqa: F401
@@ -60,7 +60,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from configuration_dflash import DFlashConfig, check_loading_info
     from custom_generate_template import generate as _custom_generate  # noqa: F401
     from decode_step import crop_cache  # noqa: F401
-    from dspark import build_heads, dspark_propose
+    from dspark import build_heads, dspark_propose, slot_inputs
     from dflash2 import CODEBOOK_KEY_MAPPING, CandidateSelector, GroupedDynamicCausalConv, SelectorDraft, selector_walk
     from generation_arguments import NOT_PASSED  # noqa: F401
     from generation_output import DFlashGenerateOutput  # noqa: F401
@@ -775,7 +775,7 @@ class DSparkDraftModel(DFlashDraftModel):
         self.markov_head, self.confidence_head = build_heads(config)
         self.post_init()
 
-    propose = dspark_propose  # (hidden_states (B, b, H), anchor_ids (B,), **walk) -> dspark.DSparkDraft
+    propose, selector_inputs = dspark_propose, slot_inputs  # dspark.py: a block's draft; the loop's draft-pass seam
 
 DFlashDraftModel._dspark_class = DSparkDraftModel
 

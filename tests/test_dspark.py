@@ -192,3 +192,43 @@ def test_confident_length_is_the_first_slot_under_the_threshold():
             below = [k for k, p in enumerate(row) if p < t] if t > 0 else []
             want.append(below[0] if below else len(row))
         assert confident_length(logits, t).tolist() == want, t
+
+
+@torch.no_grad()
+def _oracle_draft(tmp_path, target, prompt, n):
+    """A DSpark drafter whose drafts come only from its Markov head: ``lm_head`` zero, rank V, ``W1 = I`` and
+    ``W2[next, prev] = 50`` for the bigrams of the target's own greedy continuation (first occurrence wins)."""
+    greedy = target.generate(prompt, max_new_tokens=n, do_sample=False)[0].tolist()
+    tensors = _tensors(rank=V, confidence=False)
+    tensors["lm_head.weight"].zero_()
+    tensors["markov_head.markov_w1.weight"] = torch.eye(V)
+    w2 = torch.zeros(V, V)
+    seen = set()
+    for prev, nxt in zip(greedy[prompt.shape[1] - 1:], greedy[prompt.shape[1]:]):
+        if prev not in seen:
+            seen.add(prev)
+            w2[nxt, prev] = 50.0
+    tensors["markov_head.markov_w2.weight"] = w2
+    folder = _folder(tmp_path / "oracle", _config(rank=V, confidence=False), tensors)
+    return DFlashDraftModel.from_pretrained(folder).eval(), greedy
+
+
+def test_greedy_equals_generate_with_drafts_from_the_markov_head(tmp_path):
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    draft, greedy = _oracle_draft(tmp_path, target, prompt, 24)
+    out = draft.spec_generate(target, prompt, max_new_tokens=24, do_sample=False, return_dict_in_generate=True)
+    assert out.sequences[0].tolist() == greedy
+    assert max(out.row_draft_lengths[0]) == BLOCK  # a block of 7 slots drafts 7 tokens (verifies 8)
+    assert sum(out.row_accepted_drafts[0]) >= 8  # the oracle was consulted, and accepted past slot 0
+    assert max(out.acceptance_lengths) > 2
+
+
+def test_tree_budget_is_refused_by_name_with_dspark(tmp_path):
+    from tiny import tiny_target
+
+    draft = _model(tmp_path)
+    with pytest.raises(ValueError, match="tree_budget=4 is not implemented for a DSpark drafter"):
+        draft.spec_generate(tiny_target(layers=4), torch.tensor([[3, 4, 5]]), max_new_tokens=4, tree_budget=4)
