@@ -232,3 +232,37 @@ def test_tree_budget_is_refused_by_name_with_dspark(tmp_path):
     draft = _model(tmp_path)
     with pytest.raises(ValueError, match="tree_budget=4 is not implemented for a DSpark drafter"):
         draft.spec_generate(tiny_target(layers=4), torch.tensor([[3, 4, 5]]), max_new_tokens=4, tree_budget=4)
+
+
+@pytest.mark.parametrize("threshold, p_slot0, p_rest, length", [(0.0, 0.1, 0.1, BLOCK), (0.5, 0.9, 0.9, BLOCK),
+                                                                  (0.5, 0.1, 0.9, 0), (0.5, 0.9, 0.1, 1)])
+def test_confidence_threshold_cuts_each_block_at_the_first_slot_under_it(tmp_path, threshold, p_slot0, p_rest, length):
+    """The head's logit is ``proj([h_k, W1[x_{k-1}]])``: zero on ``h``, and on the Markov row (``W1 = I``) the
+    logit of ``p_slot0`` for the anchor's token and of ``p_rest`` for every other token, so the proposed
+    length is (DeepSpec ``_confident_prefix_length``): ``BLOCK`` when nothing is under the threshold, 0 when slot
+    0 is, 1 when only later slots are (the oracle's drafts never repeat the anchor in this prompt's walk)."""
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    draft, greedy = _oracle_draft(tmp_path, target, prompt, 1)  # the first anchor only: its bigram drafts slot 0
+    anchor = greedy[-1]
+    config = _config(rank=V, confidence=True)
+    tensors = dict(draft.state_dict())
+    weight = torch.zeros(1, H + V)
+    weight[0, H:] = torch.logit(torch.tensor(p_rest))
+    weight[0, H + anchor] = torch.logit(torch.tensor(p_slot0))
+    tensors.update({"confidence_head.proj.weight": weight, "confidence_head.proj.bias": torch.zeros(1)})
+    draft = DFlashDraftModel.from_pretrained(_folder(tmp_path / "c", config, tensors)).eval()
+    out = draft.spec_generate(target, prompt, max_new_tokens=1 + BLOCK + 1, do_sample=False,
+                              return_dict_in_generate=True, confidence_threshold=threshold)
+    assert out.sequences[0].tolist() == target.generate(prompt, max_new_tokens=1 + BLOCK + 1, do_sample=False)[0].tolist()
+    assert out.row_draft_lengths[0][0] == length
+
+
+def test_confidence_threshold_is_refused_by_name_without_a_head(tmp_path):
+    from tiny import tiny_target
+
+    draft = _model(tmp_path, rank=0, confidence=False)
+    with pytest.raises(ValueError, match="confidence_threshold=0.5 needs a DSpark drafter with a confidence head"):
+        draft.spec_generate(tiny_target(layers=4), torch.tensor([[3, 4, 5]]), max_new_tokens=4, confidence_threshold=0.5)
