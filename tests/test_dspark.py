@@ -266,3 +266,16 @@ def test_confidence_threshold_is_refused_by_name_without_a_head(tmp_path):
     draft = _model(tmp_path, rank=0, confidence=False)
     with pytest.raises(ValueError, match="confidence_threshold=0.5 needs a DSpark drafter with a confidence head"):
         draft.spec_generate(tiny_target(layers=4), torch.tensor([[3, 4, 5]]), max_new_tokens=4, confidence_threshold=0.5)
+
+
+def test_ragged_batch_equals_each_row_alone(tmp_path):
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    draft, _ = _oracle_draft(tmp_path, target, torch.tensor([[3, 14, 15, 92, 65]]), 12)
+    ids = torch.tensor([[0, 0, 3, 14, 15], [3, 14, 15, 92, 65]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    for i in range(2):
+        alone = target.generate(ids[i:i + 1, 5 - int(mask[i].sum()):], max_new_tokens=12, do_sample=False)
+        assert out[i, -12:].tolist() == alone[0, -12:].tolist(), i
