@@ -275,7 +275,9 @@ def test_ragged_batch_equals_each_row_alone(tmp_path):
     draft, _ = _oracle_draft(tmp_path, target, torch.tensor([[3, 14, 15, 92, 65]]), 12)
     ids = torch.tensor([[0, 0, 3, 14, 15], [3, 14, 15, 92, 65]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              return_dict_in_generate=True)
     for i in range(2):
         alone = target.generate(ids[i:i + 1, 5 - int(mask[i].sum()):], max_new_tokens=12, do_sample=False)
-        assert out[i, -12:].tolist() == alone[0, -12:].tolist(), i
+        assert out.sequences[i, -12:].tolist() == alone[0, -12:].tolist(), i
+    assert sum(out.row_accepted_drafts[1]) >= 4  # row 1's oracle drafts walk from row 1's own anchor
