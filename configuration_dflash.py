@@ -44,11 +44,17 @@ REFUSED_KEYS = {
     "use_swa": (lambda v: bool(v), "use_swa (sliding window on every layer with bidirectional block attention, "
                                    "MiMo style) is not implemented; express windows with layer_types"),
 }
-REFUSED_ARCHITECTURES = {"MuseGlimmerAssistantModel": _MUSE_GLIMMER_V1}
+REFUSED_ARCHITECTURES = {"MuseGlimmerAssistantModel": _MUSE_GLIMMER_V1, "Gemma4DSparkModel": None}
 # The draft architectures this package implements: the ONE allow-list, read by the config (so every loading
 # path), and the converter. Any other ``architectures`` value is refused by name (issue 34: a DeepSpec DSpark
 # folder loaded as a DFlash 1 drafter, its extra tensors and keys ignored, and drafted one position off).
 DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# DeepSpec's Qwen3-layout DSpark / DFlash-block7 class (dspark.py): read by the loader, not yet by the converter.
+DSPARK_ARCHITECTURES = ("Qwen3DSparkModel",)
+# DeepSpec's top-level DSpark keys (deepspec/modeling/dspark/qwen3/config.py build_draft_config).
+DSPARK_KEYS = ("num_anchors", "markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+_GEMMA4_DSPARK = ("DeepSpec's Gemma 4 DSpark drafter layer (Gemma 4 attention with k = v and no v_proj, layer_scalar, "
+                  "four norms per layer, partial rotary 0.25, logit softcap 30, global_head_dim 512) is not implemented")
 _DSPARK = ("a DSpark drafter (DeepSpec: Markov and confidence heads, its own embed_tokens / lm_head, slot k "
            "drafting position start + k + 1), not supported yet; this package implements {}")
 _NOT_IMPLEMENTED = "not a DFlash draft architecture this package implements (expected one of {})"
@@ -82,7 +88,7 @@ _IGNORED_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "a
 def refuse_unhonourable(config_dict: dict, nested: dict) -> None:
     """Raise ValueError for any key of [`REFUSED_KEYS`] (top level or in ``dflash_config``) that is
     set, or a refused architecture, naming the key, its value and what cannot be honoured."""
-    refusal = architecture_refusal(config_dict.get("architectures"))
+    refusal = architecture_refusal(config_dict.get("architectures"), accept_dspark=True)
     if refusal:
         raise ValueError(refusal)
     if config_dict.get("model_type") in REFUSED_MODEL_TYPES:
@@ -97,12 +103,17 @@ def refuse_unhonourable(config_dict: dict, nested: dict) -> None:
                          f"{_REDUCED_VOCAB}")
 
 
-def architecture_refusal(architectures) -> Optional[str]:
+def architecture_refusal(architectures, accept_dspark: bool = False) -> Optional[str]:
     """Why a config's ``architectures`` list cannot be loaded here, naming the value, or None when every
     entry is one of [`DRAFT_ARCHITECTURES`] (or the list is empty: the SpecForge dialect may omit it).
     Refused: the Muse Glimmer v1 assistant, any DSpark name (``Qwen3DSparkModel``, ``Gemma4DSparkModel``,
-    ...: "a DSpark drafter, not supported yet") and any other name (issue 34)."""
+    ...: "a DSpark drafter, not supported yet") and any other name (issue 34). ``accept_dspark`` (the loader):
+    [`DSPARK_ARCHITECTURES`] load as DSpark drafters (issue 38); ``Gemma4DSparkModel`` stays refused by name."""
     for arch in architectures or []:
+        if arch == "Gemma4DSparkModel":
+            return f"architectures={list(architectures)!r}: {arch!r}: {_GEMMA4_DSPARK}"
+        if accept_dspark and arch in DSPARK_ARCHITECTURES:
+            continue
         if arch in REFUSED_ARCHITECTURES:
             return f"architectures={list(architectures)!r}: {REFUSED_ARCHITECTURES[arch]}"
         if arch not in DRAFT_ARCHITECTURES:
@@ -266,6 +277,11 @@ class DFlashConfig(PreTrainedConfig):
         conv_group_size=None,
         selector_rank=None,
         selector_top_k=None,
+        num_anchors=None,
+        markov_rank=None,
+        markov_head_type=None,
+        enable_confidence_head=None,
+        confidence_head_with_markov=None,
         dflash_config=None,
         **kwargs,
     ):
@@ -297,6 +313,10 @@ class DFlashConfig(PreTrainedConfig):
                        selector_rank=selector_rank, selector_top_k=selector_top_k)
         for key in DFLASH2_KEYS:
             setattr(self, key, nested.get(key, dflash2[key]))
+        # DeepSpec's DSpark keys, top level only (their configs have no dflash_config), kept as written.
+        self.num_anchors, self.markov_rank, self.markov_head_type = num_anchors, markov_rank, markov_head_type
+        self.enable_confidence_head = enable_confidence_head
+        self.confidence_head_with_markov = confidence_head_with_markov
 
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -360,6 +380,17 @@ class DFlashConfig(PreTrainedConfig):
         return ("DFlash2DraftModel" in (values.get("architectures") or [])
                 or any(values.get(k) is not None or nested.get(k) is not None for k in DFLASH2_KEYS))
 
+    @staticmethod
+    def names_dspark(values: dict) -> bool:
+        """Whether a ``config.json`` dict is a DeepSpec DSpark / DFlash-block7 one (``architectures``)."""
+        return any(a in DSPARK_ARCHITECTURES for a in values.get("architectures") or [])
+
+    @property
+    def is_dspark(self) -> bool:
+        """Whether this is a DeepSpec-dialect drafter ([`DSPARK_ARCHITECTURES`]): all ``block_size`` slots
+        drafted, slot k predicting ``start + k + 1``, its own ``embed_tokens`` / ``lm_head``."""
+        return self.names_dspark({"architectures": getattr(self, "architectures", None)})
+
     @property
     def is_dflash2(self) -> bool:
         """Whether this is a DFlash 2 drafter (its config sets the ``DFLASH2_KEYS``)."""
@@ -397,8 +428,20 @@ class DFlashConfig(PreTrainedConfig):
         if self.selector_top_k > self.vocab_size:
             raise ValueError(f"selector_top_k={self.selector_top_k} exceeds vocab_size={self.vocab_size}")
 
+    def _validate_dspark(self):
+        """The DSpark keys (DeepSpec ``Qwen3DSparkModel.__init__``'s asserts), named when they cannot be honoured."""
+        rank = self.markov_rank or 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"markov_rank must be an integer >= 0, got {self.markov_rank!r}")
+        if rank and str(self.markov_head_type).lower() != "vanilla":
+            raise ValueError(f"markov_head_type={self.markov_head_type!r} is not implemented (only 'vanilla', the "
+                             "published DSpark drafters' head)")
+        if self.enable_confidence_head and self.confidence_head_with_markov and not rank:
+            raise ValueError("confidence_head_with_markov=True needs markov_rank > 0")
+
     def _validate_dflash(self):
         self._validate_dflash2()
+        self._validate_dspark()
         for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -455,6 +498,14 @@ class DFlashConfig(PreTrainedConfig):
                 out["dflash_config"][name] = value
         if self.is_causal is None:
             out.pop("is_causal", None)
+        for name in DSPARK_KEYS:
+            if out.get(name) is None:
+                out.pop(name, None)
+        # save_pretrained names the class (DSparkDraftModel); the engines route on DeepSpec's name.
+        if out.get("architectures"):
+            out["architectures"] = ["Qwen3DSparkModel" if a == "DSparkDraftModel" else a for a in out["architectures"]]
+        if self.names_dspark(out):  # DeepSpec's dialect: top-level keys only
+            out.pop("dflash_config", None)
         return out
 
     def to_diff_dict(self):
@@ -467,6 +518,14 @@ class DFlashConfig(PreTrainedConfig):
                 out[key] = full[key]
         if self.is_causal is None:
             out.pop("is_causal", None)
+        for name in DSPARK_KEYS:
+            if out.get(name) is None:
+                out.pop(name, None)
+        # save_pretrained names the class (DSparkDraftModel); the engines route on DeepSpec's name.
+        if out.get("architectures"):
+            out["architectures"] = ["Qwen3DSparkModel" if a == "DSparkDraftModel" else a for a in out["architectures"]]
+        if self.names_dspark(out):  # DeepSpec's dialect: top-level keys only
+            out.pop("dflash_config", None)
         return out
 
 
@@ -480,5 +539,5 @@ _ALWAYS_SAVED = (
 )
 
 
-__all__ = ["DFLASH2_KEYS", "DRAFT_ARCHITECTURES", "UNUSED_TENSORS", "DFlashConfig", "architecture_refusal",
+__all__ = ["DFLASH2_KEYS", "DRAFT_ARCHITECTURES", "DSPARK_ARCHITECTURES", "DSPARK_KEYS", "UNUSED_TENSORS", "DFlashConfig", "architecture_refusal",
            "check_loading_info", "legacy_target_layer_ids", "normalize_rope"]

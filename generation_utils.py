@@ -31,7 +31,7 @@ try:
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
     from .decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache, next_block_size
     from .draft_trees import _gather_nodes, check_tree
-    from .proposers import BlockProposer, Proposal, proposer_for
+    from .proposers import BlockProposer, Proposal, check_confidence_threshold, proposer_for
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
     from .generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from .generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
@@ -52,7 +52,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
     from decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache, next_block_size
     from draft_trees import _gather_nodes, check_tree
-    from proposers import BlockProposer, Proposal, proposer_for
+    from proposers import BlockProposer, Proposal, check_confidence_threshold, proposer_for
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
     from generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
@@ -138,6 +138,7 @@ def spec_generate(
     inference_mode: bool = True,
     tree_budget: Optional[int] = None,
     low_acceptance_warning=NOT_PASSED,
+    confidence_threshold: float = 0.0,
     **kwargs,
 ):
     """Generate with ``target``, drafting blocks with ``draft``; the output is the target's own.
@@ -236,6 +237,9 @@ def spec_generate(
             counts per depth. Refused by name (ValueError): with ``adaptive_block_size``, the caller's own
             logits processors, hybrid linear-attention or flash-attention targets. With
             ``cache_implementation="static"`` the call runs the dynamic loop (one info log).
+        confidence_threshold: DSpark drafters with a confidence head only (0, the default: the full block):
+            each step's block is cut at its first slot whose sigmoid confidence is below it, as DeepSpec's
+            ``build_dspark_proposal`` does (a cut at slot 0 is a plain target step). Batch 1 for now.
         pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, token_type_ids,
             mm_token_type_ids, image_sizes, ... (keywords): a vision-language target's own inputs, any name
             its ``forward`` takes besides the prompt, as the processor returns them. They go to ``generate``
@@ -309,7 +313,7 @@ def spec_generate(
     check_vocab(draft.config.vocab_size, vocab)
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask, vocab)
     _warn_unmasked_left_padding(input_ids, attention_mask, (generation_config or target.generation_config).pad_token_id)
-    trained = draft.config.block_size
+    trained = proposer_for(draft).verify_width(draft.config)  # DSpark: block_size drafts, one more verified
     block_size = trained if block_size is None else block_size
     _check_int("block_size", block_size, 1, trained)
     check_draft_window(draft_window)
@@ -320,6 +324,7 @@ def spec_generate(
             low_acceptance_warning, (int, float)) or low_acceptance_warning < 0):
         raise ValueError(f"low_acceptance_warning={low_acceptance_warning!r} must be None or a number >= 0 "
                          "(accepted drafted tokens per verify step)")
+    check_confidence_threshold(draft, confidence_threshold, input_ids.shape[0])
     mask_token_id = draft.config.mask_token_id if mask_token_id is None else mask_token_id
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab:
         raise ValueError(f"mask_token_id={mask_token_id!r} must be an integer in [0, {vocab}) (the target vocabulary)")
@@ -347,7 +352,7 @@ def spec_generate(
                           streamer=streamer, output_timings=output_timings, static=static,
                           adaptive=adaptive_block_size, inference_mode=inference_mode, passed_cache=passed_cache,
                           vision=vision, draft_window=draft_window, facts=facts, tree_budget=tree_budget,
-                          low_acceptance=low_acceptance_warning)
+                          low_acceptance=low_acceptance_warning, confidence_threshold=confidence_threshold)
 
     if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
         if streamer is not None:
@@ -366,7 +371,8 @@ def spec_generate(
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
                generator, sample_draft, streamer, output_timings, static=None, adaptive=False, inference_mode=True,
-               passed_cache=None, vision=None, draft_window=None, facts=None, tree_budget=None, low_acceptance=None):
+               passed_cache=None, vision=None, draft_window=None, facts=None, tree_budget=None, low_acceptance=None,
+               confidence_threshold=0.0):
     """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``.
     ``vision``: the call's multimodal prompt (``target_families.VisionPrompt``), or None. ``facts``: the
     target's ``TargetFacts``, completed here with the prompt's (execution device, longrope switch crossed).
@@ -413,7 +419,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
         else:
             with capture_target_features(target, draft.config.target_layer_ids, facts.draft_device) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
-                        run, facts, adaptive, passed_cache, vision, draft_window, tree_budget)
+                        run, facts, adaptive, passed_cache, vision, draft_window, tree_budget, confidence_threshold)
     if return_dict or passed_cache is not None:  # the cache reaches the user: no inference tensors in it
         leave_inference_mode(out.get(CACHE_FIELD))
     _trim_to_batch_end(run)  # no eos criterion: rows end where the batch's last row stopped
@@ -673,7 +679,8 @@ def _drop_finished(rows, done: list, caches, device) -> bool:
 
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
-            run, facts, adaptive=False, passed_cache=None, vision=None, draft_window=None, tree_budget=None):
+            run, facts, adaptive=False, passed_cache=None, vision=None, draft_window=None, tree_budget=None,
+            confidence_threshold=0.0):
     """The speculative loop; fills ``run.out`` / ``run.chunks`` in place. One verify step after another: the
     block size, the drafter's proposal (whatever its kind: ``proposers.py``), the target's verify forward,
     the acceptance rule, the commit, the roll-back. ``facts``: the call's ``TargetFacts``.
@@ -686,7 +693,8 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
     device, out = input_ids.device, run.out
     resume = Resume(target, draft, passed_cache, input_ids.shape[0], facts.crossing)  # the caches; cached length
     proposer = proposer_for(draft)(resume.draft(draft), facts, resume.draft_cache, sampling, mask_token_id,
-                                   draft_window, tree_budget)
+                                   draft_window, tree_budget,
+                                   **({"confidence_threshold": confidence_threshold} if confidence_threshold else {}))
     loop = _Loop(target, facts, sampling, proposer, resume, features, run, vision,
                  offsets=torch.arange(block_size, device=device))
     t0 = _sync(device) if output_timings else None

@@ -25,9 +25,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 if __package__:
     sys.modules.pop(f"{__package__}.remote_code_cache", None)
 try:
-    from .remote_code_cache import _forget_stale_siblings, _record_sibling_sources
+    from .remote_code_cache import _HUB_KWARGS, _folder_own_class, _forget_stale_siblings, _record_sibling_sources
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
-    from remote_code_cache import _forget_stale_siblings, _record_sibling_sources
+    from remote_code_cache import _HUB_KWARGS, _folder_own_class, _forget_stale_siblings, _record_sibling_sources
 if __package__:
     _forget_stale_siblings(__name__)
 # Every flat sibling file that any remote-code file imports must be imported HERE too, with a
@@ -38,6 +38,7 @@ try:
     from .configuration_dflash import DFlashConfig, check_loading_info
     from .custom_generate_template import generate as _custom_generate  # noqa: F401
     from .decode_step import crop_cache  # noqa: F401
+    from .dspark import build_heads, dspark_propose, slot_inputs
     from .dflash2 import CODEBOOK_KEY_MAPPING, CandidateSelector, GroupedDynamicCausalConv, SelectorDraft, selector_walk
     from .generation_arguments import NOT_PASSED  # noqa: F401
     from .generation_output import DFlashGenerateOutput  # noqa: F401
@@ -59,6 +60,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from configuration_dflash import DFlashConfig, check_loading_info
     from custom_generate_template import generate as _custom_generate  # noqa: F401
     from decode_step import crop_cache  # noqa: F401
+    from dspark import build_heads, dspark_propose, slot_inputs
     from dflash2 import CODEBOOK_KEY_MAPPING, CandidateSelector, GroupedDynamicCausalConv, SelectorDraft, selector_walk
     from generation_arguments import NOT_PASSED  # noqa: F401
     from generation_output import DFlashGenerateOutput  # noqa: F401
@@ -398,8 +400,12 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     decoder_layer_class = DFlashDecoderLayer
     _is_dflash2_class = False
+    _is_dspark_class = False
 
     def __init__(self, config: DFlashConfig):
+        if config.is_dspark != self._is_dspark_class:
+            raise ValueError(f"{type(self).__name__} cannot be built from the config of architectures="
+                             f"{config.architectures}; use {'DSpark' if config.is_dspark else 'DFlash'}DraftModel")
         if config.is_dflash2 != self._is_dflash2_class:
             raise ValueError(f"{type(self).__name__} cannot be built from a DFlash {'2' if config.is_dflash2 else '1'} config "
                              f"(conv_kernel_size={config.conv_kernel_size}, selector_rank={config.selector_rank}); use "
@@ -415,9 +421,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                              for i in range(config.num_hidden_layers)]
         self.post_init()
 
-    def get_input_embeddings(self):
-        """None: the drafter has no embedding of its own (it reads the target's); quantizers ask for it."""
-        return None
+    def get_input_embeddings(self):  # quantizers ask: None (DFlash reads the target's), DSpark's own table
+        return getattr(self, "embed_tokens", None)
 
     @property
     def block_size(self) -> int:
@@ -596,7 +601,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         own = _folder_own_class(cls, pretrained_model_name_or_path, kwargs)
         if own is not cls:
             return own.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        if not cls._is_dflash2_class and _names_dflash2(cls, pretrained_model_name_or_path, kwargs):
+        if not cls._is_dspark_class and _folder_is(DFlashConfig.names_dspark, cls, pretrained_model_name_or_path, kwargs):
+            logging.getLogger(__name__).info("%s is a DeepSpec drafter: loading it as DSparkDraftModel",
+                                             pretrained_model_name_or_path)
+            return cls._dspark_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if not cls._is_dflash2_class and _folder_is(DFlashConfig.names_dflash2, cls, pretrained_model_name_or_path, kwargs):
             logging.getLogger(__name__).info("%s is a DFlash 2 drafter: loading it as DFlash2DraftModel",
                                              pretrained_model_name_or_path)
             return cls._dflash2_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
@@ -754,44 +763,39 @@ class DFlash2DraftModel(DFlashDraftModel):
 DFlashDraftModel._dflash2_class = DFlash2DraftModel  # bound here, not looked up at call time (module re-execution)
 
 
-def _names_dflash2(cls, pretrained_model_name_or_path, kwargs) -> bool:
-    """Whether the folder's config (or ``kwargs["config"]``) is a DFlash 2 one: ``architectures`` names
-    ``DFlash2DraftModel``, or a DFlash 2 key is set at top level or in ``dflash_config``."""
+class DSparkDraftModel(DFlashDraftModel):
+    """DeepSpec's Qwen3 DSpark drafter (``Qwen3DSparkModel``; DFlash block7 baselines with ``markov_rank`` 0):
+    the DFlash backbone plus its own ``embed_tokens`` / ``lm_head`` and the Markov and confidence heads of
+    ``dspark.py``. All ``block_size`` slots are drafted, slot k predicting ``start + k + 1`` (DeepSpec
+    ``deepspec/modeling/dspark/qwen3/modeling.py``). Draft a block with [`propose`]."""
+
+    _is_dspark_class = True
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.markov_head, self.confidence_head = build_heads(config)
+        self.post_init()
+
+    propose, selector_inputs = dspark_propose, slot_inputs  # dspark.py: a block's draft; the loop's draft-pass seam
+
+DFlashDraftModel._dspark_class = DSparkDraftModel
+
+
+def _folder_is(names, cls, pretrained_model_name_or_path, kwargs) -> bool:
+    """Whether ``names`` (``DFlashConfig.names_dflash2`` / ``names_dspark``) holds for the folder's config."""
     config = kwargs.get("config")
     if config is not None and not isinstance(config, (str, os.PathLike)):
-        return bool(getattr(config, "is_dflash2", None) or DFlashConfig.names_dflash2(config.to_dict()))
+        return bool(names(config.to_dict()))
     hub = {k: kwargs[k] for k in _HUB_KWARGS + ("subfolder",) if kwargs.get(k) is not None}
-    return DFlashConfig.names_dflash2(cls.config_class.get_config_dict(config or pretrained_model_name_or_path, **hub)[0])
-
-
-_REMOTE_CODE_PACKAGE = "transformers_modules."  # where transformers runs trust_remote_code files
-_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "code_revision", "local_files_only")
-
-
-def _folder_own_class(cls, pretrained_model_name_or_path, kwargs):
-    """The draft class of the folder's own remote code, or ``cls``.
-
-    transformers 5 maps a remote config class to the first model class loaded for it
-    (``AutoModel.register``), so a second folder with the same ``configuration_dflash.py`` but another
-    ``generation_utils.py`` (or the same folder after an edit, or a DFlash 1 folder after a DFlash 2 one)
-    would get the first folder's class. When ``cls`` is itself remote code and the folder's config names
-    a class of ``modeling_dflash`` in ``auto_map``, that class is resolved again from the folder with transformers' public ``get_class_from_dynamic_module``
-    (keyed by the folder's files), so the folder's own code runs. Our class imported directly (from
-    the repository or ``dflash_hf``) is never swapped.
-    """
-    config = kwargs.get("config")
-    reference = (getattr(config, "auto_map", None) or {}).get("AutoModel")
-    if not cls.__module__.startswith(_REMOTE_CODE_PACKAGE) or not str(reference).startswith("modeling_dflash."):
-        return cls
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
-    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if kwargs.get(k) is not None}
-    return get_class_from_dynamic_module(reference, pretrained_model_name_or_path, **hub_kwargs)
+    return names(cls.config_class.get_config_dict(config or pretrained_model_name_or_path, **hub)[0])
 
 
 DFlashConfig.register_for_auto_class()
 DFlashDraftModel.register_for_auto_class("AutoModel")
 DFlash2DraftModel.register_for_auto_class("AutoModel")
+DSparkDraftModel.register_for_auto_class("AutoModel")
 
-__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DFlashPreTrainedModel", "DFlashConfig", "draft_block_embedding",
+__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DSparkDraftModel", "DFlashPreTrainedModel", "DFlashConfig", "draft_block_embedding",
            "draft_logits", "selector_walk"]

@@ -26,12 +26,14 @@ from transformers import LogitsProcessorList
 try:
     from .decode_step import crop_cache
     from .dflash2 import selector_walk
+    from .dspark import confidence_logits, confident_length
     from .draft_trees import TreeBatch, block_trees, selector_trees, tree_batch
     from .speculative_sampling import _WARPERS, prefix_free
     from .target_families import FAMILY as _families
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from decode_step import crop_cache
     from dflash2 import selector_walk
+    from dspark import confidence_logits, confident_length
     from draft_trees import TreeBatch, block_trees, selector_trees, tree_batch
     from speculative_sampling import _WARPERS, prefix_free
     from target_families import FAMILY as _families
@@ -121,6 +123,11 @@ class BlockProposer:
 
     slot_states = False  # the draft pass returns the slots' logits only
     static_loop = True  # the fixed-shape loop (static_generate.py) drafts this kind too
+
+    @staticmethod
+    def verify_width(config) -> int:
+        """The trained verify block (anchor + drafts) of a drafter of this kind: ``block_size`` (slot 0 is the anchor)."""
+        return config.block_size
 
     def __init__(self, draft, facts, draft_cache, sampling, mask_token_id: int, draft_window=None, tree_budget=None):
         self.draft, self.facts, self.draft_cache, self.sampling = draft, facts, draft_cache, sampling
@@ -238,10 +245,91 @@ class SelectorProposer(BlockProposer):
         return selector_trees(self.draft.candidate_selector, slot_hidden, logits, rows.anchor, self.tree_budget)
 
 
+class DSparkProposer(SelectorProposer):
+    """DSpark (``DSparkDraftModel``, ``dspark.py``): a verify block of ``b`` positions is drafted by one pass
+    over ``b - 1`` slots ``[anchor, MASK x (b - 2)]`` with the drafter's own ``embed_tokens`` / ``lm_head``,
+    slot k giving the token at ``start + k + 1`` (so the trained ``block_size`` drafts ``block_size`` tokens
+    and verifies ``block_size + 1``: [`verify_width`]), then the Markov walk from the anchor
+    (``dspark.markov_walk``; DeepSpec ``VanillaMarkov.sample_block_tokens``). Each slot's corrected logits,
+    given the token chosen before it, go through generate's processors and warpers (``_Sampling.probs``):
+    that q is the rejection test's. Processors that read the prefix and ``tree_budget`` are refused by name.
+    """
+
+    static_loop = False
+
+    @staticmethod
+    def verify_width(config) -> int:
+        return config.block_size + 1
+
+    def __init__(self, draft, facts, draft_cache, sampling, mask_token_id: int, draft_window=None, tree_budget=None,
+                 confidence_threshold: float = 0.0):
+        self.threshold = confidence_threshold
+        if tree_budget is not None:
+            raise ValueError(f"tree_budget={tree_budget} is not implemented for a DSpark drafter (trees from its "
+                             "Markov-corrected scores are a follow-up); use tree_budget=None")
+        if sampling.needs_prefix:
+            raise ValueError("a DSpark drafter does not run logits processors that read the prefix yet")
+        super().__init__(draft, facts, draft_cache, sampling, mask_token_id, draft_window, None)
+
+    def draft_pass(self, rows, b: int):
+        """``(logits (A, b - 1, V), hidden (A, b - 1, H))`` of the ``b - 1`` drafted slots."""
+        return _draft_logits(self.draft, self.draft.embed_tokens, None, rows.anchor, rows.ctx, self.draft_cache,
+                             rows.draft_valid, rows.start, b - 1, self.mask_token_id, slot_states=True, **self.window)
+
+    def propose(self, rows, b: int, positions: torch.Tensor) -> Proposal:
+        """The Markov walk's chain of ``b - 1`` drafts, with the confidence head's per-slot estimates
+        (``Proposal.acceptance``) and, with ``confidence_threshold``, cut at the first slot under it (batch 1)."""
+        logits, hidden = self.draft_pass(rows, b)
+        rows.context_drafted(self.draft_cache.get_seq_length())
+        tokens, q, probs = self.choose(logits, hidden, rows)
+        prev = torch.cat([rows.anchor, tokens[:, :-1]], dim=1)
+        head = self.draft.confidence_head
+        conf = confidence_logits(head, self.draft.markov_head, self.draft.config.confidence_head_with_markov, hidden, prev)
+        n = tokens.shape[1] if not self.threshold else int(confident_length(conf, self.threshold).min())
+        if n == 0:
+            return Proposal.anchor_only(rows.anchor, positions[:, :1])
+        return Proposal(tokens[:, :n], positions[:, :n + 1], probs[:, :n], None if q is None else q[:, :n],
+                        acceptance=None if conf is None else conf[:, :n].sigmoid())
+
+    def choose(self, draft_logits: torch.Tensor, slot_hidden: torch.Tensor, rows):
+        s, markov = self.sampling, self.draft.markov_head
+        prev, tokens, qs, probs = rows.anchor[:, 0], [], [], []
+        for k in range(draft_logits.shape[1]):
+            row = draft_logits[:, k] if markov is None else draft_logits[:, k] + markov.bias(prev)
+            if s.do_sample:
+                q = s.probs(row[:, None])[:, 0]
+                prev = (torch.multinomial(q, 1, generator=s.generator)[:, 0] if s.sample_draft else q.argmax(-1))
+                qs.append(q if s.sample_draft else torch.nn.functional.one_hot(prev, q.shape[-1]).to(q.dtype))
+                probs.append(_gather(q, prev))
+            else:
+                scores = s.processed(row[:, None])[:, 0] if len(s.procs) else row
+                prev = scores.argmax(-1)
+                probs.append(_own_probs(scores, prev))
+            tokens.append(prev)
+        return torch.stack(tokens, 1), (torch.stack(qs, 1) if s.do_sample else None), torch.stack(probs, 1)
+
+
+def check_confidence_threshold(draft, threshold, batch: int) -> None:
+    """Refuse, naming ``confidence_threshold``, a threshold outside ``[0, 1]``, one for a drafter without a
+    confidence head (anything but a DSpark drafter with ``enable_confidence_head``), or one at batch > 1."""
+    if not threshold:
+        return
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+        raise ValueError(f"confidence_threshold={threshold!r} must be a number in [0, 1]")
+    if getattr(draft, "confidence_head", None) is None:
+        raise ValueError(f"confidence_threshold={threshold} needs a DSpark drafter with a confidence head; "
+                         f"{type(draft).__name__} has none")
+    if batch > 1:
+        raise ValueError(f"confidence_threshold={threshold} runs at batch 1 only for now (got batch {batch})")
+
+
 def proposer_for(draft):
-    """The proposer class of ``draft``'s kind: [`SelectorProposer`] for a drafter with a candidate selector
-    (DFlash 2), else [`BlockProposer`]. The one place the drafter kind is asked, once per call."""
+    """The proposer class of ``draft``'s kind: [`DSparkProposer`] for a drafter with its own ``lm_head`` (DSpark),
+    [`SelectorProposer`] for a drafter with a candidate selector (DFlash 2), else [`BlockProposer`]. The one
+    place the drafter kind is asked, once per call."""
+    if getattr(getattr(draft, "config", None), "is_dspark", False):
+        return DSparkProposer
     return SelectorProposer if getattr(draft, "candidate_selector", None) is not None else BlockProposer
 
 
-__all__ = ["BlockProposer", "Proposal", "SelectorProposer", "choose_tokens", "proposer_for"]
+__all__ = ["BlockProposer", "DSparkProposer", "check_confidence_threshold", "Proposal", "SelectorProposer", "choose_tokens", "proposer_for"]

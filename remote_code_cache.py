@@ -59,3 +59,28 @@ def _record_sibling_sources(caller: str) -> None:
     for module in _sibling_modules(caller).values():
         if not hasattr(module, _SOURCE_SHA) and not hasattr(module, "__transformers_module_hash__"):
             setattr(module, _SOURCE_SHA, _file_sha256(module.__file__))
+
+
+_REMOTE_CODE_PACKAGE = "transformers_modules."  # where transformers runs trust_remote_code files
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "code_revision", "local_files_only")
+
+
+def _folder_own_class(cls, pretrained_model_name_or_path, kwargs):
+    """The draft class of the folder's own remote code, or ``cls``.
+
+    transformers 5 maps a remote config class to the first model class loaded for it
+    (``AutoModel.register``), so a second folder with the same ``configuration_dflash.py`` but another
+    ``generation_utils.py`` (or the same folder after an edit, or a DFlash 1 folder after a DFlash 2 one)
+    would get the first folder's class. When ``cls`` is itself remote code and the folder's config names
+    a class of ``modeling_dflash`` in ``auto_map``, that class is resolved again from the folder with transformers' public ``get_class_from_dynamic_module``
+    (keyed by the folder's files), so the folder's own code runs. Our class imported directly (from
+    the repository or ``dflash_hf``) is never swapped.
+    """
+    config = kwargs.get("config")
+    reference = (getattr(config, "auto_map", None) or {}).get("AutoModel")
+    if not cls.__module__.startswith(_REMOTE_CODE_PACKAGE) or not str(reference).startswith("modeling_dflash."):
+        return cls
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if kwargs.get(k) is not None}
+    return get_class_from_dynamic_module(reference, pretrained_model_name_or_path, **hub_kwargs)

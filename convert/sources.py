@@ -36,7 +36,7 @@ from .errors import ConversionError
 REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "remote_code_cache.py", "generation_utils.py",
                      "generation_arguments.py", "speculative_sampling.py", "stopping_criteria.py", "decode_step.py",
                      "generation_output.py", "native_routes.py", "custom_generate_template.py", "target_taps.py",
-                     "target_cache.py", "target_families.py", "static_generate.py", "dflash2.py",
+                     "target_cache.py", "target_families.py", "static_generate.py", "dflash2.py", "dspark.py",
                      "cache_reuse.py", "user_processors.py", "proposers.py", "target_facts.py",
                      "draft_trees.py")
 # A single-dot relative import, as transformers reads them (`from .x import ...`, `import .x`).

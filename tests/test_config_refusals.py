@@ -215,21 +215,23 @@ def _dspark_folder(folder, architecture):
     return config
 
 
-@pytest.mark.parametrize("architecture", ["Qwen3DSparkModel", "Gemma4DSparkModel"])
-def test_dspark_folder_is_refused_by_name_before_loading(tmp_path, architecture):
+def test_dspark_folders_the_loader_cannot_run_are_refused_by_name(tmp_path):
     """Issue 34: a DSpark folder loaded as a DFlash 1 drafter (its extra tensors and keys ignored) and drafted
-    one position off; the converter refuses it by the same rule (``DRAFT_ARCHITECTURES``)."""
+    one position off. Issue 38: ``Qwen3DSparkModel`` loads as ``DSparkDraftModel`` (tests/test_dspark.py);
+    ``Gemma4DSparkModel`` is refused by name before loading, and the converter refuses both (by the same rule,
+    ``architecture_refusal``) until it converts DSpark folders."""
     from convert import ConversionError
     from convert.sources import detect_dialect
 
-    config = _dspark_folder(tmp_path / "d", architecture)
-    want = rf"{tmp_path / 'd'}.*'{architecture}' is a DSpark drafter .*not supported yet"
+    config = _dspark_folder(tmp_path / "d", "Gemma4DSparkModel")
+    want = rf"{tmp_path / 'd'}.*'Gemma4DSparkModel'.*not implemented"
     with pytest.raises(ValueError, match=want):
         DFlashDraftModel.from_pretrained(str(tmp_path / "d"))
     with pytest.raises(ValueError, match=want):
         DFlashConfig.from_pretrained(str(tmp_path / "d"))
-    with pytest.raises(ConversionError, match=f"'{architecture}' is a DSpark drafter"):
-        detect_dialect(dict(config, model_type="qwen3"))
+    for architecture in ("Qwen3DSparkModel", "Gemma4DSparkModel"):
+        with pytest.raises(ConversionError, match=f"'{architecture}'"):
+            detect_dialect(dict(config, model_type="qwen3", architectures=[architecture]))
 
 
 def test_an_architecture_this_package_does_not_implement_is_refused_by_name():

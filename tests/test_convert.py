@@ -25,7 +25,7 @@ from convert_fixtures import (
 from tiny import tiny_target
 
 CODE_FILES = ["cache_reuse.py", "configuration_dflash.py", "custom_generate/generate.py", "custom_generate_template.py",
-              "decode_step.py", "dflash2.py", "draft_trees.py",
+              "decode_step.py", "dflash2.py", "draft_trees.py", "dspark.py",
               "generation_arguments.py", "generation_output.py", "generation_utils.py", "modeling_dflash.py",
               "native_routes.py", "proposers.py", "remote_code_cache.py", "speculative_sampling.py",
               "static_generate.py", "stopping_criteria.py", "target_cache.py", "target_facts.py", "target_families.py",

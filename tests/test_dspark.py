@@ -1,0 +1,283 @@
+"""DSpark drafters (issue 38): DeepSpec's published layout loads strictly, the Markov walk and the confidence
+cut follow the formulas written here (independent of dspark.py), and what is not implemented is refused.
+
+The layout: deepseek-ai/DeepSpec ``deepspec/modeling/dspark/qwen3/config.py`` (``build_draft_config``: the
+target's Qwen3Config plus top-level keys) and ``modeling.py`` / ``markov_head.py`` / ``common.py`` (tensor
+names), shrunk to vocab 97, hidden 40, 3 layers.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from configuration_dflash import DFlashConfig
+from modeling_dflash import DFlashDraftModel, DSparkDraftModel
+
+V, H, R, LAYERS, BLOCK, MASK = 97, 40, 8, 3, 7, 96
+
+
+def _config(rank=R, confidence=True, architecture="Qwen3DSparkModel"):
+    """A DeepSpec config.json, by hand: a Qwen3 target config plus DeepSpec's top-level keys."""
+    config = dict(architectures=[architecture], model_type="qwen3", vocab_size=V, hidden_size=H, intermediate_size=72,
+                  num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=10,
+                  hidden_act="silu", max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  attention_bias=False, attention_dropout=0.0, tie_word_embeddings=False, use_sliding_window=False,
+                  sliding_window=None, layer_types=["full_attention"] * LAYERS, torch_dtype="float32",
+                  num_target_layers=4, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=[0, 2],
+                  num_anchors=512, markov_rank=rank, enable_confidence_head=confidence)
+    if rank:
+        config["markov_head_type"] = "vanilla"
+    if confidence:
+        config["confidence_head_with_markov"] = bool(rank)
+    return config
+
+
+def _tensors(rank=R, confidence=True, seed=0):
+    """DeepSpec's tensor names and shapes, written out (not read from our class)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"fc.weight": (H, 2 * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+              "embed_tokens.weight": (V, H), "lm_head.weight": (V, H)}
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (40, H), p + "self_attn.k_proj.weight": (20, H),
+                       p + "self_attn.v_proj.weight": (20, H), p + "self_attn.o_proj.weight": (H, 40),
+                       p + "self_attn.q_norm.weight": (10,), p + "self_attn.k_norm.weight": (10,),
+                       p + "mlp.gate_proj.weight": (72, H), p + "mlp.up_proj.weight": (72, H),
+                       p + "mlp.down_proj.weight": (H, 72), p + "input_layernorm.weight": (H,),
+                       p + "post_attention_layernorm.weight": (H,)})
+    if rank:
+        shapes.update({"markov_head.markov_w1.weight": (V, rank), "markov_head.markov_w2.weight": (V, rank)})
+    if confidence:
+        shapes.update({"confidence_head.proj.weight": (1, H + rank), "confidence_head.proj.bias": (1,)})
+    return {k: torch.randn(s, generator=g) * 0.5 for k, s in shapes.items()}
+
+
+def _folder(path, config=None, tensors=None):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config or _config()))
+    save_file(tensors if tensors is not None else _tensors(), str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_published_layout_loads_strictly_as_dspark(tmp_path):
+    tensors = _tensors()
+    model = DFlashDraftModel.from_pretrained(_folder(tmp_path / "d", tensors=tensors))
+    assert type(model) is DSparkDraftModel
+    state = model.state_dict()
+    assert set(state) == set(tensors)
+    assert all(torch.equal(state[k], v) for k, v in tensors.items())
+    assert (model.block_size, model.mask_token_id, model.target_layer_ids) == (BLOCK, MASK, [0, 2])
+
+
+def test_deepspec_dflash_baseline_is_the_same_class_without_heads(tmp_path):
+    folder = _folder(tmp_path / "d", _config(rank=0, confidence=False), _tensors(rank=0, confidence=False))
+    model = DFlashDraftModel.from_pretrained(folder)
+    assert type(model) is DSparkDraftModel and model.markov_head is None and model.confidence_head is None
+    assert model.lm_head.weight.shape == (V, H)  # its own head, not the target's
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda t: t.pop("markov_head.markov_w2.weight"), "markov_head.markov_w2.weight"),
+    (lambda t: t.pop("lm_head.weight"), "lm_head.weight"),
+    (lambda t: t.update({"markov_head.gate_proj.weight": torch.zeros(R, H + R)}), "markov_head.gate_proj.weight"),
+])
+def test_missing_or_unexpected_tensors_are_named(tmp_path, change, named):
+    tensors = _tensors()
+    change(tensors)
+    with pytest.raises(ValueError, match=rf"does not match.*{named}"):
+        DFlashDraftModel.from_pretrained(_folder(tmp_path / "d", tensors=tensors))
+
+
+def test_misshapen_tensor_is_named(tmp_path):
+    tensors = _tensors()
+    tensors["confidence_head.proj.weight"] = torch.zeros(1, H)  # a head built without the Markov row
+    folder = _folder(tmp_path / "d", tensors=tensors)
+    with pytest.raises((ValueError, RuntimeError)):  # transformers' own refusal (5.x names it in its load report)
+        DFlashDraftModel.from_pretrained(folder)
+    with pytest.raises(ValueError, match=r"mismatched_keys.*confidence_head.proj.weight"):
+        DFlashDraftModel.from_pretrained(folder, ignore_mismatched_sizes=True)
+
+
+def test_save_pretrained_keeps_deepspec_keys_and_adds_auto_map(tmp_path):
+    model = DFlashDraftModel.from_pretrained(_folder(tmp_path / "d"))
+    model.save_pretrained(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3DSparkModel"]
+    for key, value in _config().items():
+        if key in ("num_anchors", "markov_rank", "markov_head_type", "enable_confidence_head",
+                   "confidence_head_with_markov", "block_size", "mask_token_id", "target_layer_ids"):
+            assert saved[key] == value, key
+    assert saved["auto_map"]["AutoModel"] == "modeling_dflash.DSparkDraftModel"
+    assert "dflash_config" not in saved
+    again = DFlashDraftModel.from_pretrained(str(tmp_path / "out"))
+    assert type(again) is DSparkDraftModel
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+def test_gemma4_dspark_and_unimplemented_heads_are_refused_by_name(tmp_path):
+    folder = _folder(tmp_path / "g", _config(architecture="Gemma4DSparkModel"))
+    with pytest.raises(ValueError, match=r"'Gemma4DSparkModel'.*not implemented"):
+        DFlashDraftModel.from_pretrained(folder)
+    with pytest.raises(ValueError, match=r"markov_head_type='gated' is not implemented"):
+        DFlashConfig(**dict(_config(), markov_head_type="gated"))
+    with pytest.raises(ValueError, match="DSparkDraftModel"):
+        DFlashDraftModel(DFlashConfig(**_config()))
+
+
+def _model(tmp_path, **kw):
+    return DFlashDraftModel.from_pretrained(_folder(tmp_path / "d", _config(**kw), _tensors(**kw))).eval()
+
+
+@torch.no_grad()
+def test_markov_walk_and_confidence_equal_the_formula(tmp_path):
+    """Slot k: ``lm_head h_k + W2 W1[x_{k-1}]`` with ``x_{-1}`` the anchor and ``x_{k-1}`` the token drawn
+    at slot k - 1 (greedy here); confidence ``proj([h_k, W1[x_{k-1}]])``. Every slot is drafted."""
+    model = _model(tmp_path)
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.mul_(6.0)  # large enough to change tokens
+    torch.manual_seed(1)
+    hidden = torch.randn(2, BLOCK, H)
+    anchor = torch.tensor([5, 60])
+    draft = model.propose(hidden, anchor)
+    w1, w2 = model.markov_head.markov_w1.weight, model.markov_head.markov_w2.weight
+    head, proj = model.lm_head.weight, model.confidence_head.proj
+    changed = 0
+    for row in range(2):
+        prev = int(anchor[row])
+        for k in range(BLOCK):
+            base = hidden[row, k] @ head.T
+            logits = base + w2 @ w1[prev]
+            conf = proj.weight[0] @ torch.cat([hidden[row, k], w1[prev]]) + proj.bias[0]
+            assert torch.allclose(draft.logits[row, k], logits, atol=1e-5)
+            assert torch.allclose(draft.confidence[row, k], conf, atol=1e-5)
+            assert int(draft.tokens[row, k]) == int(logits.argmax())
+            changed += int(logits.argmax() != base.argmax())
+            prev = int(logits.argmax())
+    assert draft.tokens.shape == (2, BLOCK)
+    assert changed >= 3  # the correction matters in this test
+
+
+@torch.no_grad()
+def test_sampled_walk_conditions_each_slot_on_the_drawn_token(tmp_path):
+    model = _model(tmp_path)
+    hidden = torch.randn(1, BLOCK, H)
+    draft = model.propose(hidden, torch.tensor([3]), do_sample=True, temperature=0.7,
+                          generator=torch.Generator().manual_seed(0))
+    w1, w2, head = model.markov_head.markov_w1.weight, model.markov_head.markov_w2.weight, model.lm_head.weight
+    prev = torch.cat([torch.tensor([3]), draft.tokens[0, :-1]])
+    want = hidden[0] @ head.T + w1[prev] @ w2.T
+    assert torch.allclose(draft.logits[0], want, atol=1e-5)
+
+
+@torch.no_grad()
+def test_baseline_walk_is_plain_argmax_of_its_own_head(tmp_path):
+    model = _model(tmp_path, rank=0, confidence=False)
+    hidden = torch.randn(1, BLOCK, H)
+    draft = model.propose(hidden, torch.tensor([3]))
+    assert torch.equal(draft.tokens[0], (hidden[0] @ model.lm_head.weight.T).argmax(-1))
+    assert draft.confidence is None
+
+
+def test_confident_length_is_the_first_slot_under_the_threshold():
+    from dspark import confident_length
+
+    logits = torch.logit(torch.tensor([[0.9, 0.8, 0.4, 0.9, 0.1, 0.9, 0.9],
+                                       [0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9],
+                                       [0.2, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]]))
+    for t in (0.0, 0.3, 0.5, 0.85, 0.95):
+        want = []
+        for row in torch.sigmoid(logits).tolist():
+            below = [k for k, p in enumerate(row) if p < t] if t > 0 else []
+            want.append(below[0] if below else len(row))
+        assert confident_length(logits, t).tolist() == want, t
+
+
+@torch.no_grad()
+def _oracle_draft(tmp_path, target, prompt, n):
+    """A DSpark drafter whose drafts come only from its Markov head: ``lm_head`` zero, rank V, ``W1 = I`` and
+    ``W2[next, prev] = 50`` for the bigrams of the target's own greedy continuation (first occurrence wins)."""
+    greedy = target.generate(prompt, max_new_tokens=n, do_sample=False)[0].tolist()
+    tensors = _tensors(rank=V, confidence=False)
+    tensors["lm_head.weight"].zero_()
+    tensors["markov_head.markov_w1.weight"] = torch.eye(V)
+    w2 = torch.zeros(V, V)
+    seen = set()
+    for prev, nxt in zip(greedy[prompt.shape[1] - 1:], greedy[prompt.shape[1]:]):
+        if prev not in seen:
+            seen.add(prev)
+            w2[nxt, prev] = 50.0
+    tensors["markov_head.markov_w2.weight"] = w2
+    folder = _folder(tmp_path / "oracle", _config(rank=V, confidence=False), tensors)
+    return DFlashDraftModel.from_pretrained(folder).eval(), greedy
+
+
+def test_greedy_equals_generate_with_drafts_from_the_markov_head(tmp_path):
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    draft, greedy = _oracle_draft(tmp_path, target, prompt, 24)
+    out = draft.spec_generate(target, prompt, max_new_tokens=24, do_sample=False, return_dict_in_generate=True)
+    assert out.sequences[0].tolist() == greedy
+    assert max(out.row_draft_lengths[0]) == BLOCK  # a block of 7 slots drafts 7 tokens (verifies 8)
+    assert sum(out.row_accepted_drafts[0]) >= 8  # the oracle was consulted, and accepted past slot 0
+    assert max(out.acceptance_lengths) > 2
+
+
+def test_tree_budget_is_refused_by_name_with_dspark(tmp_path):
+    from tiny import tiny_target
+
+    draft = _model(tmp_path)
+    with pytest.raises(ValueError, match="tree_budget=4 is not implemented for a DSpark drafter"):
+        draft.spec_generate(tiny_target(layers=4), torch.tensor([[3, 4, 5]]), max_new_tokens=4, tree_budget=4)
+
+
+@pytest.mark.parametrize("threshold, p_slot0, p_rest, length", [(0.0, 0.1, 0.1, BLOCK), (0.5, 0.9, 0.9, BLOCK),
+                                                                  (0.5, 0.1, 0.9, 0), (0.5, 0.9, 0.1, 1)])
+def test_confidence_threshold_cuts_each_block_at_the_first_slot_under_it(tmp_path, threshold, p_slot0, p_rest, length):
+    """The head's logit is ``proj([h_k, W1[x_{k-1}]])``: zero on ``h``, and on the Markov row (``W1 = I``) the
+    logit of ``p_slot0`` for the anchor's token and of ``p_rest`` for every other token, so the proposed
+    length is (DeepSpec ``_confident_prefix_length``): ``BLOCK`` when nothing is under the threshold, 0 when slot
+    0 is, 1 when only later slots are (the oracle's drafts never repeat the anchor in this prompt's walk)."""
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    draft, greedy = _oracle_draft(tmp_path, target, prompt, 1)  # the first anchor only: its bigram drafts slot 0
+    anchor = greedy[-1]
+    config = _config(rank=V, confidence=True)
+    tensors = dict(draft.state_dict())
+    weight = torch.zeros(1, H + V)
+    weight[0, H:] = torch.logit(torch.tensor(p_rest))
+    weight[0, H + anchor] = torch.logit(torch.tensor(p_slot0))
+    tensors.update({"confidence_head.proj.weight": weight, "confidence_head.proj.bias": torch.zeros(1)})
+    draft = DFlashDraftModel.from_pretrained(_folder(tmp_path / "c", config, tensors)).eval()
+    out = draft.spec_generate(target, prompt, max_new_tokens=1 + BLOCK + 1, do_sample=False,
+                              return_dict_in_generate=True, confidence_threshold=threshold)
+    assert out.sequences[0].tolist() == target.generate(prompt, max_new_tokens=1 + BLOCK + 1, do_sample=False)[0].tolist()
+    assert out.row_draft_lengths[0][0] == length
+
+
+def test_confidence_threshold_is_refused_by_name_without_a_head(tmp_path):
+    from tiny import tiny_target
+
+    draft = _model(tmp_path, rank=0, confidence=False)
+    with pytest.raises(ValueError, match="confidence_threshold=0.5 needs a DSpark drafter with a confidence head"):
+        draft.spec_generate(tiny_target(layers=4), torch.tensor([[3, 4, 5]]), max_new_tokens=4, confidence_threshold=0.5)
+
+
+def test_ragged_batch_equals_each_row_alone(tmp_path):
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    draft, _ = _oracle_draft(tmp_path, target, torch.tensor([[3, 14, 15, 92, 65]]), 12)
+    ids = torch.tensor([[0, 0, 3, 14, 15], [3, 14, 15, 92, 65]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              return_dict_in_generate=True)
+    for i in range(2):
+        alone = target.generate(ids[i:i + 1, 5 - int(mask[i].sum()):], max_new_tokens=12, do_sample=False)
+        assert out.sequences[i, -12:].tolist() == alone[0, -12:].tolist(), i
+    assert sum(out.row_accepted_drafts[1]) >= 4  # row 1's oracle drafts walk from row 1's own anchor
