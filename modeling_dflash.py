@@ -46,7 +46,6 @@ try:
     from .generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
     from .native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, native_dflash_available
     from .proposers import Proposal  # noqa: F401
-    from .draft_trees import TreeBatch  # noqa: F401
     from .speculative_sampling import speculative_verify  # noqa: F401
     from .static_generate import static_decode as _static_decode  # noqa: F401
     from .stopping_criteria import _Stops  # noqa: F401
@@ -68,7 +67,6 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
     from native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, native_dflash_available
     from proposers import Proposal  # noqa: F401
-    from draft_trees import TreeBatch  # noqa: F401
     from speculative_sampling import speculative_verify  # noqa: F401
     from static_generate import static_decode as _static_decode  # noqa: F401
     from stopping_criteria import _Stops  # noqa: F401
