@@ -332,4 +332,5 @@ def proposer_for(draft):
     return SelectorProposer if getattr(draft, "candidate_selector", None) is not None else BlockProposer
 
 
-__all__ = ["BlockProposer", "DSparkProposer", "check_confidence_threshold", "Proposal", "SelectorProposer", "choose_tokens", "proposer_for"]
+__all__ = ["BlockProposer", "DSparkProposer", "Proposal", "SelectorProposer", "check_confidence_threshold",
+           "choose_tokens", "proposer_for"]
