@@ -46,6 +46,7 @@ try:
     from .generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
     from .native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, native_dflash_available
     from .proposers import Proposal  # noqa: F401
+    from .draft_trees import TreeBatch  # noqa: F401  (4.57 copies only direct imports)
     from .speculative_sampling import speculative_verify  # noqa: F401
     from .static_generate import static_decode as _static_decode  # noqa: F401
     from .stopping_criteria import _Stops  # noqa: F401
@@ -67,6 +68,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
     from native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, native_dflash_available
     from proposers import Proposal  # noqa: F401
+    from draft_trees import TreeBatch  # noqa: F401
     from speculative_sampling import speculative_verify  # noqa: F401
     from static_generate import static_decode as _static_decode  # noqa: F401
     from stopping_criteria import _Stops  # noqa: F401
@@ -762,10 +764,9 @@ DFlashDraftModel._dflash2_class = DFlash2DraftModel  # bound here, not looked up
 
 
 class DSparkDraftModel(DFlashDraftModel):
-    """DeepSpec's Qwen3 DSpark drafter (``Qwen3DSparkModel``; DFlash block7 baselines with ``markov_rank`` 0):
-    the DFlash backbone plus its own ``embed_tokens`` / ``lm_head`` and the Markov and confidence heads of
-    ``dspark.py``. All ``block_size`` slots are drafted, slot k predicting ``start + k + 1`` (DeepSpec
-    ``deepspec/modeling/dspark/qwen3/modeling.py``). Draft a block with [`propose`]."""
+    """DeepSpec's Qwen3 DSpark drafter (``Qwen3DSparkModel``; DFlash block7 baselines: ``markov_rank`` 0): the
+    DFlash backbone, its own ``embed_tokens`` / ``lm_head``, the Markov and confidence heads of ``dspark.py``;
+    every ``block_size`` slot drafted, slot k predicting ``start + k + 1`` (DeepSpec ``qwen3/modeling.py``)."""
 
     _is_dspark_class = True
 
