@@ -281,3 +281,101 @@ def test_ragged_batch_equals_each_row_alone(tmp_path):
         alone = target.generate(ids[i:i + 1, 5 - int(mask[i].sum()):], max_new_tokens=12, do_sample=False)
         assert out.sequences[i, -12:].tolist() == alone[0, -12:].tolist(), i
     assert sum(out.row_accepted_drafts[1]) >= 4  # row 1's oracle drafts walk from row 1's own anchor
+
+
+# ----------------------------------------------------------------------------- sampling is the target's distribution
+
+TOP_K, N_NEW, ROWS, CALLS = 2, 4, 600, 5
+
+
+def _processed_probs(target, seq):
+    logits = target(torch.tensor([seq])).logits[0, -1:].float()
+    return torch.softmax(transformers_top_k(TOP_K)(torch.tensor([seq]), logits)[0], -1)
+
+
+def transformers_top_k(k):
+    from transformers import TopKLogitsWarper
+    return TopKLogitsWarper(k)
+
+
+@torch.no_grad()
+def _exact_joint(target, prompt):
+    joint = {(): 1.0}
+    for _ in range(N_NEW):
+        nxt = {}
+        for seq, p in joint.items():
+            probs = _processed_probs(target, prompt + list(seq))
+            for tok in probs.nonzero()[:, 0].tolist():
+                nxt[seq + (tok,)] = p * probs[tok].item()
+        joint = nxt
+    return joint
+
+
+def _chi2_crit(df, z=3.090232):  # upper 1e-3 quantile (Wilson-Hilferty)
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def _markov_sampler(tmp_path, target, prompt):
+    """A DSpark drafter whose Markov head boosts, after each reachable token, the target's top-2 next tokens
+    after the prompt plus that token (its own lm_head random): the correction moves the drafts toward the
+    target, so drafts are accepted, and it changes the drawn token on many slots."""
+    tensors = _tensors(rank=V, confidence=False, seed=3)
+    tensors["markov_head.markov_w1.weight"] = torch.eye(V)
+    w2 = torch.zeros(V, V)
+    with torch.no_grad():
+        for prev in range(V):
+            top = _processed_probs(target, prompt + [prev]).topk(TOP_K).indices
+            w2[top, prev] = 4.0
+    tensors["markov_head.markov_w2.weight"] = w2
+    folder = _folder(tmp_path / "sampler", _config(rank=V, confidence=False), tensors)
+    return DFlashDraftModel.from_pretrained(folder).eval()
+
+
+@pytest.mark.parametrize("bug", [None, "q_before_the_markov_correction"])
+def test_sampled_output_is_the_targets_distribution(tmp_path, monkeypatch, bug):
+    """Chi-square of the joint of 4 new tokens (3 of them drafted by the Markov walk) against the exact
+    top-k 2 distribution of the target; a q taken before the Markov correction must be rejected. The
+    correction changes the argmax token on at least a third of the drafted slots (asserted)."""
+    import proposers
+    from patching import patch_called
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4, peaked=True, seed=6)
+    prompt = [3, 14, 15, 92, 65]
+    joint = _exact_joint(target, prompt)
+    draft = _markov_sampler(tmp_path, target, prompt)
+    real, changed = proposers.DSparkProposer.choose, []
+
+    def choose(self, draft_logits, slot_hidden, rows):
+        tokens, q, probs = real(self, draft_logits, slot_hidden, rows)
+        prev = torch.cat([rows.anchor, tokens[:, :-1]], dim=1)
+        corrected = draft_logits + self.draft.markov_head.bias(prev.flatten()).view(draft_logits.shape)
+        changed.append((corrected.argmax(-1) != draft_logits.argmax(-1)).float().mean().item())
+        if bug:
+            q = self.sampling.probs(draft_logits)  # the q of the uncorrected logits: biased
+        return tokens, q, probs
+
+    patch_called(monkeypatch, proposers.DSparkProposer, "choose", choose)
+    counts, gen = {}, torch.Generator().manual_seed(0)
+    accepted = 0
+    for _ in range(CALLS):
+        out = draft.spec_generate(target, torch.tensor([prompt] * ROWS), max_new_tokens=N_NEW, do_sample=True,
+                                  temperature=1.0, top_k=TOP_K, generator=gen, return_dict_in_generate=True)
+        accepted += sum(sum(r) for r in out.row_accepted_drafts)
+        for row in out.sequences[:, len(prompt):].tolist():
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    assert sum(changed) / len(changed) >= 1 / 3, changed
+    assert accepted >= ROWS * CALLS // 2  # the walk's drafts were accepted, so its q mattered
+    n = ROWS * CALLS
+    impossible = set(counts) - set(joint)
+    big = [c for c in joint if joint[c] * n >= 5]
+    rest = 1 - sum(joint[c] for c in big)
+    stat = sum((counts.get(c, 0) - n * joint[c]) ** 2 / (n * joint[c]) for c in big)
+    df = len(big) - 1
+    if rest * n >= 5:
+        rest_count = n - sum(counts.get(c, 0) for c in big)
+        stat, df = stat + (rest_count - n * rest) ** 2 / (n * rest), df + 1
+    if bug is None:
+        assert not impossible and stat < _chi2_crit(df), (impossible, stat, df)
+    else:
+        assert impossible or stat > _chi2_crit(df), (stat, df)
