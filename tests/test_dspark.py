@@ -379,3 +379,47 @@ def test_sampled_output_is_the_targets_distribution(tmp_path, monkeypatch, bug):
         assert not impossible and stat < _chi2_crit(df), (impossible, stat, df)
     else:
         assert impossible or stat > _chi2_crit(df), (stat, df)
+
+
+def test_dspark_through_automodel_custom_generate_cache_window_and_streamer(tmp_path):
+    """The routes a user takes, with the Markov-oracle drafter (drafts accepted past slot 0): a folder saved
+    by ``save_pretrained`` loads through ``AutoModel`` + ``trust_remote_code``; ``target.generate(
+    custom_generate=<folder>)``, a passed cache continued in a second call, ``draft_window`` and a streamer
+    all give the target's greedy tokens."""
+    import transformers
+    from transformers import DynamicCache
+    from transformers.generation.streamers import BaseStreamer
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    oracle, greedy = _oracle_draft(tmp_path, target, prompt, 30)
+    oracle.save_pretrained(tmp_path / "saved")
+    draft = transformers.AutoModel.from_pretrained(tmp_path / "saved", trust_remote_code=True).eval()
+    assert type(draft).__name__ == "DSparkDraftModel" and type(draft).__module__ != "modeling_dflash"
+    ref = torch.tensor([greedy[:prompt.shape[1] + 24]])
+    out = draft.spec_generate(target, prompt, max_new_tokens=24, temperature=0.0, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref) and sum(out.row_accepted_drafts[0]) >= 8
+    via = target.generate(prompt, max_new_tokens=24, do_sample=False, custom_generate=str(tmp_path / "saved"),
+                          trust_remote_code=True, assistant_model=draft)
+    assert torch.equal(via, ref)
+    assert torch.equal(draft.spec_generate(target, prompt, max_new_tokens=24, temperature=0.0, draft_window=3), ref)
+    cache = DynamicCache()
+    first = draft.spec_generate(target, prompt, max_new_tokens=10, temperature=0.0, return_dict_in_generate=True,
+                                past_key_values=cache)
+    again = draft.spec_generate(target, first.sequences, max_new_tokens=14, temperature=0.0, past_key_values=cache)
+    assert torch.equal(again, ref)
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens += value.reshape(-1).tolist()
+
+        def end(self):
+            pass
+
+    streamer = Collect()
+    draft.spec_generate(target, prompt, max_new_tokens=24, temperature=0.0, streamer=streamer)
+    assert streamer.tokens == ref[0].tolist()
