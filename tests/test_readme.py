@@ -33,7 +33,7 @@ def test_readme_blocks_run_on_tiny_models(hub, capsys):
     from modeling_dflash import native_dflash_available
 
     blocks = readme_blocks()
-    assert set(blocks) == {"pair", "usage", "native", "custom_generate", "batch", "chat", "vision"}
+    assert set(blocks) == {"pair", "usage", "native", "custom_generate", "batch", "chat", "vision", "trees"}
     namespace, calls, expected = {}, [], None
     for name in ("usage", "native", "custom_generate", "batch"):
         code = blocks[name]
@@ -71,6 +71,18 @@ def test_readme_pair_block_runs_on_the_shipped_pair(monkeypatch, capsys):
     expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64)
     assert namespace["out"].sequences.tolist() == expected.tolist()
     assert "tau =" in capsys.readouterr().out
+
+
+def test_readme_trees_block_runs_on_the_shipped_pair(monkeypatch, capsys):
+    """The draft-trees snippet: the tree's tokens are the target's own, and it accepts more than the chain."""
+    monkeypatch.chdir(README.parent)
+    namespace = {}
+    exec(compile(readme_blocks()["trees"], "README:trees", "exec"), namespace)
+    target, ids = namespace["target"], namespace["input_ids"]
+    expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64)
+    assert namespace["tree"].sequences.tolist() == expected.tolist()
+    assert namespace["tree"].tau > namespace["chain"].tau
+    assert "tree of 15 nodes" in capsys.readouterr().out
 
 
 def test_readme_chat_block_continues_from_the_cache_on_the_shipped_pair(monkeypatch, capsys):
