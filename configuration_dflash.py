@@ -388,8 +388,11 @@ class DFlashConfig(PreTrainedConfig):
     @property
     def is_dspark(self) -> bool:
         """Whether this is a DeepSpec-dialect drafter ([`DSPARK_ARCHITECTURES`]): all ``block_size`` slots
-        drafted, slot k predicting ``start + k + 1``, its own ``embed_tokens`` / ``lm_head``."""
-        return self.names_dspark({"architectures": getattr(self, "architectures", None)})
+        drafted, slot k predicting ``start + k + 1``, its own ``embed_tokens`` / ``lm_head``. Also after
+        ``save_pretrained``, which sets the in-memory ``architectures`` to the class name (``DSparkDraftModel``):
+        the model that saved itself must go on drafting as DSpark."""
+        architectures = getattr(self, "architectures", None) or []
+        return self.names_dspark({"architectures": architectures}) or "DSparkDraftModel" in architectures
 
     @property
     def is_dflash2(self) -> bool:

@@ -143,6 +143,10 @@ class ConversionPlan:
         lines.append(f"  files:    {', '.join(self.files)}")
         if self.checks:
             lines.append("  verified: " + "; ".join(self.checks))
+        if getattr(cfg, "is_dspark", False):  # issue 38: the engines' DSpark flags are not established here yet
+            lines.append("  serve with: not printed for a DSpark drafter (the engines' DSpark arguments are not "
+                         "checked by this converter yet)")
+            return "\n".join(lines)
         commands = self.engine_commands()
         lines += ["  serve with:", f"    vLLM:   {commands['vllm']}", f"    SGLang: {commands['sglang']}"]
         if cfg.is_dflash2:
@@ -179,7 +183,10 @@ def translate_config(config_dict: dict, target_id=None, target_revision=None) ->
 
 
 def draft_class(config: DFlashConfig):
-    """``DFlash2DraftModel`` for a DFlash 2 config, else ``DFlashDraftModel``."""
+    """``DSparkDraftModel`` for a DeepSpec DSpark config, ``DFlash2DraftModel`` for a DFlash 2 one, else
+    ``DFlashDraftModel``."""
+    if getattr(config, "is_dspark", False):
+        return DFlashDraftModel._dspark_class
     return DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel
 
 
@@ -272,6 +279,8 @@ def _check_plain_config(folder: str, config: DFlashConfig) -> None:
 
     plain = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     nested = getattr(plain, "dflash_config", None) or {}
+    if getattr(config, "is_dspark", False):  # DeepSpec's dialect keeps these keys at top level (engines read them there)
+        nested = {k: getattr(plain, k, None) for k in ("target_layer_ids", "mask_token_id", "block_size")}
     want = {"target_layer_ids": config.target_layer_ids, "mask_token_id": config.mask_token_id, "block_size": config.block_size}
     got = {k: nested.get(k) for k in want}
     if plain.model_type != "qwen3" or got != want:
@@ -466,8 +475,9 @@ def plan_conversion(source: str, source_dir: str, output: str, allow_pickle=Fals
     config = translate_config(raw, target_id, target_revision)
     fmt, paths = sources.find_weight_files(source_dir, allow_pickle)
     shapes = sources.tensor_shapes(source_dir, fmt, paths)
-    mapping, dropped = keymap.map_keys(shapes)
-    keymap.check_keys(mapping, shapes, expected_shapes(config))
+    expected = expected_shapes(config)
+    mapping, dropped = keymap.map_keys(shapes, keep=expected)  # a DSpark drafter keeps its own embed_tokens / lm_head
+    keymap.check_keys(mapping, shapes, expected)
     plan = ConversionPlan(
         source=source, source_dir=source_dir, dialect=dialect, weight_format=fmt, weight_files=paths,
         mapping=mapping, dropped=dropped, config=config, output=output, engine_only=engine_only, dry_run=True,

@@ -51,8 +51,9 @@ REFUSED_KEY = (re.compile(r"^encoder\.(?:fc|output_norm_enc)\."),
                "the Muse Glimmer v1 assistant dialect (encoder.fc / encoder.output_norm_enc) is not read here")
 
 
-def map_keys(source_keys) -> tuple[dict, dict]:
-    """Map source keys to project keys.
+def map_keys(source_keys, keep=()) -> tuple[dict, dict]:
+    """Map source keys to project keys. ``keep``: project keys the model has (a DSpark drafter's own
+    ``embed_tokens`` / ``lm_head``), kept even where ``DROPPED_KEYS`` would drop them.
 
     Returns:
         ``(mapping, dropped)``: ``mapping`` is ``{source_key: project_key}`` for every kept key;
@@ -66,7 +67,7 @@ def map_keys(source_keys) -> tuple[dict, dict]:
     for key in sorted(source_keys):
         if REFUSED_KEY[0].match(key):
             raise ConversionError(f"source key {key!r}: {REFUSED_KEY[1]}")
-        reason = drop_reason(key)
+        reason = None if rename_key(key) in keep else drop_reason(key)
         if reason is not None:
             dropped[key] = reason
             continue

@@ -125,7 +125,8 @@ def read_config(folder: str) -> dict:
 
 
 def detect_dialect(config: dict) -> str:
-    """Name the dialect of a source ``config.json``: ``"z-lab"``, ``"specforge"`` or ``"dflash-hf"``.
+    """Name the dialect of a source ``config.json``: ``"z-lab"``, ``"specforge"``, ``"dflash-hf"`` or ``"deepspec"``
+    (DeepSpec's ``Qwen3DSparkModel`` folders, DSpark and its DFlash block7 baselines).
 
     Raises:
         ConversionError: a known but unsupported dialect (speculators, Muse Glimmer v1 assistant) or a
@@ -150,6 +151,8 @@ def detect_dialect(config: dict) -> str:
     refusal = _architecture_refusal(architectures)
     if refusal:
         raise ConversionError(f"config {refusal}")
+    if set(architectures) & set(_dspark_architectures()):
+        return "deepspec"
     if not architectures and "dflash_config" not in config:
         raise ConversionError("config has neither architectures ['DFlashDraftModel'] nor dflash_config: not a DFlash draft")
     auto_model = (config.get("auto_map") or {}).get("AutoModel", "")
@@ -162,12 +165,21 @@ def detect_dialect(config: dict) -> str:
 
 def _architecture_refusal(architectures):
     """``configuration_dflash.architecture_refusal``: the loader's one rule for which draft architectures are
-    implemented (DSpark and every other name refused), imported at call time so ``--help`` needs no torch."""
+    implemented (DeepSpec's DSpark models included, ``Gemma4DSparkModel`` and every other name refused),
+    imported at call time so ``--help`` needs no torch."""
     try:  # run from the repository root
         from configuration_dflash import architecture_refusal
     except ImportError:  # installed with `pip install .`
         from dflash_hf.configuration_dflash import architecture_refusal
-    return architecture_refusal(architectures)
+    return architecture_refusal(architectures, accept_dspark=True)
+
+
+def _dspark_architectures():
+    try:  # run from the repository root
+        from configuration_dflash import DSPARK_ARCHITECTURES
+    except ImportError:  # installed with `pip install .`
+        from dflash_hf.configuration_dflash import DSPARK_ARCHITECTURES
+    return DSPARK_ARCHITECTURES
 
 
 def find_weight_files(folder: str, allow_pickle: bool = False) -> tuple[str, list]:

@@ -218,8 +218,8 @@ def _dspark_folder(folder, architecture):
 def test_dspark_folders_the_loader_cannot_run_are_refused_by_name(tmp_path):
     """Issue 34: a DSpark folder loaded as a DFlash 1 drafter (its extra tensors and keys ignored) and drafted
     one position off. Issue 38: ``Qwen3DSparkModel`` loads as ``DSparkDraftModel`` (tests/test_dspark.py);
-    ``Gemma4DSparkModel`` is refused by name before loading, and the converter refuses both (by the same rule,
-    ``architecture_refusal``) until it converts DSpark folders."""
+    ``Gemma4DSparkModel`` is refused by name before loading and by the converter (the same rule,
+    ``architecture_refusal``), which reads ``Qwen3DSparkModel`` folders as the ``deepspec`` dialect."""
     from convert import ConversionError
     from convert.sources import detect_dialect
 
@@ -229,9 +229,9 @@ def test_dspark_folders_the_loader_cannot_run_are_refused_by_name(tmp_path):
         DFlashDraftModel.from_pretrained(str(tmp_path / "d"))
     with pytest.raises(ValueError, match=want):
         DFlashConfig.from_pretrained(str(tmp_path / "d"))
-    for architecture in ("Qwen3DSparkModel", "Gemma4DSparkModel"):
-        with pytest.raises(ConversionError, match=f"'{architecture}'"):
-            detect_dialect(dict(config, model_type="qwen3", architectures=[architecture]))
+    with pytest.raises(ConversionError, match="'Gemma4DSparkModel'"):
+        detect_dialect(dict(config, model_type="qwen3", architectures=["Gemma4DSparkModel"]))
+    assert detect_dialect(dict(config, model_type="qwen3", architectures=["Qwen3DSparkModel"])) == "deepspec"
 
 
 def test_an_architecture_this_package_does_not_implement_is_refused_by_name():

@@ -423,3 +423,30 @@ def test_dspark_through_automodel_custom_generate_cache_window_and_streamer(tmp_
     streamer = Collect()
     draft.spec_generate(target, prompt, max_new_tokens=24, temperature=0.0, streamer=streamer)
     assert streamer.tokens == ref[0].tolist()
+
+
+def test_converter_reads_a_deepspec_folder_verifies_and_writes_it(tmp_path):
+    """``convert.convert_checkpoint`` on a folder in DeepSpec's layout: dialect ``deepspec``, every tensor kept
+    (its own ``embed_tokens`` / ``lm_head`` included), the written folder loads through ``AutoModel`` +
+    ``trust_remote_code`` as a DSpark drafter with the same tensors and runs exactly against a target; no
+    engine command is printed for it (the engines' DSpark arguments are not checked here)."""
+    import transformers
+    from convert.convert_checkpoint import convert_checkpoint
+    from tiny import tiny_target
+
+    source = _folder(tmp_path / "deepspec", _config(), _tensors())
+    target = tiny_target(layers=4)
+    plan = convert_checkpoint(source, str(tmp_path / "out"), verify_target=target)
+    import proposers
+    saved = DFlashDraftModel.from_pretrained(source)
+    saved.save_pretrained(tmp_path / "again")  # save_pretrained renames the in-memory architectures
+    assert proposers.proposer_for(saved) is proposers.DSparkProposer  # it still drafts as DSpark
+    assert plan.dialect == "deepspec" and not plan.dropped and "not printed for a DSpark drafter" in plan.describe()
+    loaded = transformers.AutoModel.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
+    assert type(loaded).__name__ == "DSparkDraftModel"
+    original = _tensors()
+    state = loaded.state_dict()
+    assert set(state) == set(original) and all(torch.equal(state[k], original[k]) for k in original)
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(loaded.spec_generate(target, ids, max_new_tokens=16, temperature=0.0), ref)
