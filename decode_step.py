@@ -270,19 +270,4 @@ def _forward_target(target, facts, cache, tokens, positions, valid, tokens_valid
                           **extra, **{facts.cache_kw: cache}).logits  # run_target: taps of a compiled target
 
 
-def next_block_size(block_size: int, longest: int, adaptive: bool) -> int:
-    """Block size of the next step, an int in ``[1, block_size]`` (the call's block size). Fixed unless
-    ``adaptive``: then twice the longest acceptance (``longest``, anchor included) of the step just
-    verified, so a fully accepted block doubles and a short acceptance shrinks the block, clamped to
-    ``[min(2, block_size), block_size]``: at least one draft when the call drafts at all, never more
-    slots than the call's block size.
-
-    Source: issue 34 item 2. The lower bound 2 used to win over ``block_size=1``: 2-token blocks were
-    verified with the loop's one position offset (a wrong bonus token), then the shapes broke (RuntimeError).
-    """
-    if not adaptive:
-        return block_size
-    return min(block_size, max(2, 2 * longest))
-
-
 __all__ = ["compact_cache", "crop_cache"]

@@ -37,6 +37,7 @@ Source: issue 36 ("Tree verification").
 """
 
 import heapq
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -206,6 +207,24 @@ def tree_batch(trees: list, device) -> TreeBatch:
                      as_tensor(visible, torch.bool), trees)
 
 
+def first_nodes(tree: HostTree, n: int) -> HostTree:
+    """``tree``'s first ``n`` drafted nodes (with the anchor): a best-first tree's nodes come in
+    non-increasing path score, parents first, so this is the best-first tree of budget ``n``."""
+    if tree.size <= n:
+        return tree
+    keep = n + 1
+    return HostTree(tree.tokens[:keep], tree.parents[:keep], tree.depths[:keep],
+                    [{t: c for t, c in kids.items() if c < keep} for kids in tree.children[:keep]], tree.log_probs[:keep])
+
+
+def path_probs(tree: HostTree) -> list:
+    """Per drafted node, the product of the drafter's probabilities along its path (node order)."""
+    score = [0.0]
+    for node in range(1, tree.size + 1):
+        score.append(score[tree.parents[node]] + tree.log_probs[node])
+    return [math.exp(x) for x in score[1:]]
+
+
 class Verdict(NamedTuple):
     """What a verify step decided, chain or tree, for the commit and the roll-back.
 
@@ -305,7 +324,7 @@ def _gather_nodes(values: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
 
 def check_tree(tree_budget, *, adaptive: bool, facts) -> None:
     """Refuse, before any forward, a ``tree_budget`` that is not an integer >= 1 or a call a tree cannot run
-    exactly: ``adaptive_block_size=True`` (until the verify-length issue defines ``tree_budget="auto"``), a
+    exactly: ``adaptive_block_size=True`` with an integer budget (``"auto"`` is the policy's own size), a
     hybrid linear-attention target (its recurrent state runs along one path, not a tree), a flash-attention
     target (a tree needs an explicit 4-D mask). ``facts``: the call's ``target_facts.TargetFacts``.
 
@@ -314,9 +333,11 @@ def check_tree(tree_budget, *, adaptive: bool, facts) -> None:
     """
     if tree_budget is None:
         return
-    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
-        raise ValueError(f"tree_budget={tree_budget!r} must be None (a chain) or an integer >= 1 (drafted nodes per step)")
-    reasons = ((adaptive, "adaptive_block_size=True sizes chains; a tree's size is its budget (drop one of them)"),
+    if tree_budget != "auto" and (isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1):
+        raise ValueError(f"tree_budget={tree_budget!r} must be None (a chain), an integer >= 1 (drafted nodes per "
+                         "step) or 'auto' (sized each step by the verify-length policy)")
+    reasons = ((adaptive and tree_budget != "auto", "adaptive_block_size=True sizes chains; a tree's size is its "
+                "budget (drop one of them, or pass tree_budget='auto')"),
                (facts.linear_layers, "a hybrid linear-attention target keeps one recurrent state per row, which "
                                      "runs along one path and cannot verify a tree; use the chain (tree_budget=None)"),
                (facts.flash, "a flash-attention target takes no 4-D tree mask; load it with attn_implementation="
@@ -326,5 +347,5 @@ def check_tree(tree_budget, *, adaptive: bool, facts) -> None:
             raise ValueError(f"tree_budget={tree_budget} cannot run exactly here: {why}")
 
 
-__all__ = ["HostTree", "TreeBatch", "Verdict", "best_first", "block_trees", "check_tree",
+__all__ = ["HostTree", "TreeBatch", "Verdict", "best_first", "block_trees", "check_tree", "first_nodes", "path_probs",
            "selector_trees", "tree_batch", "verify_tree"]

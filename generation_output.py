@@ -67,14 +67,30 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
 
     @property
     def tau(self) -> Optional[float]:
-        """Acceptance length pooled over rows: ``sum(new - 1) / sum(verify steps)``; None with no step."""
-        steps = sum(len(r) for r in self.row_acceptance_lengths or [])
-        return sum(n - 1 for n in self.num_new_tokens if n > 0) / steps if steps else None
+        """Acceptance length pooled over rows and over the verify steps that drafted (``row_draft_lengths``
+        > 0): tokens those steps committed / their number (without plain steps ``sum(new - 1) / steps``);
+        None with no such step. Plain steps are counted apart: [`plain_steps`]."""
+        pairs = self._drafting_steps()
+        return sum(a for a, _ in pairs) / len(pairs) if pairs else None
+
+    @property
+    def plain_steps(self) -> int:
+        """Verify steps of all rows that verified no drafted position (``block_size=1``, or steps where
+        ``adaptive_block_size``'s policy found that drafting did not pay): one target position, no draft pass."""
+        return sum(d == 0 for row in self.row_draft_lengths or [] for d in row)
+
+    def _drafting_steps(self) -> list:
+        return [(a, d) for lengths, drafted in zip(self.row_acceptance_lengths or [], self.row_draft_lengths or [])
+                for a, d in zip(lengths, drafted) if d > 0]
 
     @property
     def row_tau(self) -> list:
-        """Per row ``(new - 1) / verify steps`` (None for a row that made no verify step)."""
-        return [(n - 1) / len(r) if r else None for n, r in zip(self.num_new_tokens, self.row_acceptance_lengths)]
+        """Per row, tokens committed by its verify steps that drafted / their number (None for a row without one)."""
+        out = []
+        for lengths, drafted in zip(self.row_acceptance_lengths or [], self.row_draft_lengths or []):
+            kept = [a for a, d in zip(lengths, drafted) if d > 0]
+            out.append(sum(kept) / len(kept) if kept else None)
+        return out
 
     def slot_acceptance(self) -> list:
         """Acceptance rate of draft slot ``k = 1..K``: steps that accepted >= k drafts / steps that drafted
@@ -100,7 +116,8 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
         rates = self.slot_acceptance()
         if rates:
             lines.append("  slot acceptance: " + " ".join("-" if x is None else f"{x:.2f}" for x in rates))
-        lines.append(f"  forwards: draft {self.num_draft_forwards}, target {self.num_target_forwards}")
+        lines.append(f"  forwards: draft {self.num_draft_forwards}, target {self.num_target_forwards}"
+                     + (f"; plain steps {self.plain_steps}" if self.plain_steps else ""))
         if self.timings:
             t = self.timings
             tps = t["new_tokens"] / t["total_s"] if t["total_s"] > 0 else float("nan")

@@ -29,7 +29,7 @@ from transformers.utils import logging
 try:
     from .cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
-    from .decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache, next_block_size
+    from .decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache
     from .draft_trees import _gather_nodes, check_tree
     from .proposers import BlockProposer, Proposal, check_confidence_threshold, proposer_for
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
@@ -47,10 +47,11 @@ try:
     from .target_families import FAMILY as _families
     from .target_taps import capture_target_features
     from .user_processors import check_copyable, is_user_processor
+    from .verify_policy import FixedBlocks, VerifyPolicy, step_cost
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
-    from decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache, next_block_size
+    from decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache
     from draft_trees import _gather_nodes, check_tree
     from proposers import BlockProposer, Proposal, check_confidence_threshold, proposer_for
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
@@ -68,6 +69,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from target_families import FAMILY as _families
     from target_taps import capture_target_features
     from user_processors import check_copyable, is_user_processor
+    from verify_policy import FixedBlocks, VerifyPolicy, step_cost
 
 logger = logging.get_logger(__name__)
 
@@ -134,6 +136,7 @@ def spec_generate(
     output_timings: bool = False,
     mask_token_id: Optional[int] = None,
     adaptive_block_size: bool = False,
+    verify_cost=None,
     draft_window: Optional[int] = None,
     inference_mode: bool = True,
     tree_budget: Optional[int] = None,
@@ -196,10 +199,14 @@ def spec_generate(
         streamer: a transformers ``BaseStreamer`` (batch size 1): gets the prompt once, then each
             committed chunk, never a token past a stop.
         output_timings: add device-synchronised wall-clock timings (seconds) to the output.
-        adaptive_block_size: off by default. When True, each step drafts a block of twice the
-            previous step's longest acceptance (anchor included), within ``[min(2, block_size), block_size]``
-            (``block_size=1`` stays at 1): a fully accepted block doubles, a short acceptance shrinks the
-            next block. Outputs are unchanged.
+        adaptive_block_size: off by default. When True, the verify-length policy (``verify_policy.py``)
+            chooses each step how many drafted positions to verify, from the draft's probability of its own
+            tokens (a DSpark drafter's confidence head where it has one) and the cost of a verified position
+            on this target, device and batch width; a step may verify none (a plain target step without a
+            draft pass: ``row_draft_lengths`` 0, counted apart in ``plain_steps``). Outputs are unchanged.
+        verify_cost: with ``adaptive_block_size``, a ``verify_policy.StepCost`` to use instead of the table
+            measured once per target / drafter / device / batch and context bucket (and kept in
+            ``verify_policy.cost_file()``); pins the policy, e.g. for seeded sampling across machines.
         draft_window: None (default: the draft attends over the whole context), or an integer N >= 1: every
             draft layer attends to at most the last N context positions before the anchor, plus the block
             (a layer with its own ``sliding_window`` W keeps it too: W - 1 context positions before the
@@ -352,7 +359,8 @@ def spec_generate(
                           streamer=streamer, output_timings=output_timings, static=static,
                           adaptive=adaptive_block_size, inference_mode=inference_mode, passed_cache=passed_cache,
                           vision=vision, draft_window=draft_window, facts=facts, tree_budget=tree_budget,
-                          low_acceptance=low_acceptance_warning, confidence_threshold=confidence_threshold)
+                          low_acceptance=low_acceptance_warning, confidence_threshold=confidence_threshold,
+                          verify_cost=verify_cost)
 
     if gen_kwargs.get("max_new_tokens") == 0:  # documented extension: the prompt back (generate raises)
         if streamer is not None:
@@ -372,7 +380,7 @@ def spec_generate(
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
                generator, sample_draft, streamer, output_timings, static=None, adaptive=False, inference_mode=True,
                passed_cache=None, vision=None, draft_window=None, facts=None, tree_budget=None, low_acceptance=None,
-               confidence_threshold=0.0):
+               confidence_threshold=0.0, verify_cost=None):
     """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``.
     ``vision``: the call's multimodal prompt (``target_families.VisionPrompt``), or None. ``facts``: the
     target's ``TargetFacts``, completed here with the prompt's (execution device, longrope switch crossed).
@@ -419,7 +427,8 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
         else:
             with capture_target_features(target, draft.config.target_layer_ids, facts.draft_device) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
-                        run, facts, adaptive, passed_cache, vision, draft_window, tree_budget, confidence_threshold)
+                        run, facts, adaptive, passed_cache, vision, draft_window, tree_budget, confidence_threshold,
+                        verify_cost)
     if return_dict or passed_cache is not None:  # the cache reaches the user: no inference tensors in it
         leave_inference_mode(out.get(CACHE_FIELD))
     _trim_to_batch_end(run)  # no eos criterion: rows end where the batch's last row stopped
@@ -667,6 +676,24 @@ def _longrope_step(loop, input_ids, b: int, rows) -> int:
     return b
 
 
+def _policy(loop, draft, input_ids, block_size: int, mask_token_id: int, adaptive: bool, verify_cost, draft_window):
+    """The call's verify-length policy: ``verify_policy.FixedBlocks`` (every step the whole block), or with
+    ``adaptive`` a ``verify_policy.VerifyPolicy`` on this call's ``StepCost`` (``verify_cost``, else the
+    table of this target / drafter / device / batch / context, measured once before the first forward)."""
+    trees = loop.proposer.tree_budget if getattr(loop.proposer, "auto_trees", False) else None
+    if not (adaptive or trees) or block_size <= 1:
+        return FixedBlocks(block_size)
+    budget = loop.run.stops.budget if loop.run.stops.budget is not None else 256
+    context = input_ids.shape[1] + min(budget, 512) // 2  # the typical cached length of the call's steps
+    width = block_size if trees is None else trees + 1  # verified positions at most (a tree: its nodes + anchor)
+    cost = step_cost(loop.target, draft, loop.facts, type(loop.proposer), input_ids.shape[0], context, width,
+                     mask_token_id, draft_window, verify_cost, tree_budget=trees, block=block_size)
+    policy = VerifyPolicy(cost, block_size)
+    if trees is not None:
+        loop.proposer.size_trees = policy.cut_trees
+    return policy
+
+
 def _drop_finished(rows, done: list, caches, device) -> bool:
     """Drop the finished rows from every cache and row state; False when none is left."""
     keep = [i for i, d in enumerate(done) if not d]
@@ -680,7 +707,7 @@ def _drop_finished(rows, done: list, caches, device) -> bool:
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
             run, facts, adaptive=False, passed_cache=None, vision=None, draft_window=None, tree_budget=None,
-            confidence_threshold=0.0):
+            confidence_threshold=0.0, verify_cost=None):
     """The speculative loop; fills ``run.out`` / ``run.chunks`` in place. One verify step after another: the
     block size, the drafter's proposal (whatever its kind: ``proposers.py``), the target's verify forward,
     the acceptance rule, the commit, the roll-back. ``facts``: the call's ``TargetFacts``.
@@ -697,14 +724,15 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
                                    **({"confidence_threshold": confidence_threshold} if confidence_threshold else {}))
     loop = _Loop(target, facts, sampling, proposer, resume, features, run, vision,
                  offsets=torch.arange(block_size, device=device))
+    policy = _policy(loop, draft, input_ids, block_size, mask_token_id, adaptive, verify_cost, draft_window)
     t0 = _sync(device) if output_timings else None
     rows, finished = _prefill(loop, input_ids, prompt_mask)
     t1 = _sync(device) if output_timings else None
-    next_b, verifies, drafts_run = block_size, 0, 0  # forwards counted on the host (`out` is a ModelOutput)
+    verifies, drafts_run = 0, 0  # forwards counted on the host (`out` is a ModelOutput)
 
     while not any(finished) or _drop_finished(rows, finished, loop.caches, device):
-        b = _block_size(loop, rows, next_b, input_ids)
-        proposal = _propose(loop, rows, b)
+        b = _block_size(loop, rows, policy.plan(), input_ids)  # 1: a plain step (verify_policy.py)
+        proposal = policy.cut(_propose(loop, rows, b))
         logits = _verify_forward(loop, rows, proposal)
         verifies, drafts_run = verifies + 1, drafts_run + (b > 1)
         verdict = sampling.verify(proposal, logits, rows)  # draft_trees.Verdict
@@ -716,7 +744,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
         committed, counts = resume.kept(run, accepted + 1, counts, finished)  # a returned cache ends at the output
         if run.stops.timed_out():  # max_time: once per verify step, after the commit
             finished = [True] * len(finished)
-        next_b = next_block_size(block_size, max(counts), adaptive)
+        policy.record([c - 1 for c in counts])
         _keep_committed(loop, rows, nodes, committed, counts, next_token, path)
 
     out.num_target_forwards += verifies

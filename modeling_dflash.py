@@ -55,6 +55,7 @@ try:
     from .target_families import draft_block_embedding, draft_logits
     from .target_taps import capture_target_features  # noqa: F401
     from .user_processors import check_copyable  # noqa: F401
+    from .verify_policy import StepCost  # noqa: F401
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import DraftContext  # noqa: F401
     from configuration_dflash import DFlashConfig, check_loading_info
@@ -77,6 +78,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from target_families import draft_block_embedding, draft_logits
     from target_taps import capture_target_features  # noqa: F401
     from user_processors import check_copyable  # noqa: F401
+    from verify_policy import StepCost  # noqa: F401
 if __package__:
     _record_sibling_sources(__name__)
 
@@ -109,9 +111,7 @@ def _yarn_inv_freq(rope: dict, dim: int, max_position_embeddings: int):
     base, factor = rope["rope_theta"], rope["factor"]
     original_max = rope.get("original_max_position_embeddings") or max_position_embeddings
 
-    def get_mscale(scale, mscale=1.0):
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
+    get_mscale = (lambda scale, mscale=1.0: 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0)
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
@@ -128,8 +128,7 @@ def _yarn_inv_freq(rope: dict, dim: int, max_position_embeddings: int):
     if rope.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
+    high += 0.001 if low == high else 0.0
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     extrapolation_weight = 1 - ramp

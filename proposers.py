@@ -39,6 +39,9 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from target_families import FAMILY as _families
 
 
+AUTO_TREE_BUDGET = 32  # tree_budget="auto": trees are built to this many nodes, then cut by the policy
+
+
 @dataclass
 class Proposal:
     """What a proposer drafts for one verify step of ``A`` rows: ``n`` nodes below each row's anchor.
@@ -55,6 +58,9 @@ class Proposal:
             or None for a chain (node ``j``'s parent is node ``j - 1``).
         acceptance: ``(A, n)`` fp32, the drafter's own estimate that each node is accepted given its parent
             was (DSpark's confidence head), or None where the drafter has none.
+        lengths: ``(A,)`` long, a chain's proposed length per row when rows differ (DSpark's confidence cut in
+            a batch): row ``r``'s nodes from ``lengths[r]`` on are verified but never accepted (its bonus
+            token is drawn at ``lengths[r]``); None: every row proposes all ``n``.
     """
 
     tokens: torch.Tensor
@@ -63,6 +69,15 @@ class Proposal:
     q: Optional[torch.Tensor] = None
     tree: Optional[TreeBatch] = None
     acceptance: Optional[torch.Tensor] = None
+    lengths: Optional[torch.Tensor] = None
+
+    def cut(self, n: int) -> "Proposal":
+        """The chain's first ``n`` nodes (``n`` at most its length); ``lengths`` capped at ``n``."""
+        if n >= self.tokens.shape[1]:
+            return self
+        part = (lambda t: None if t is None else t[:, :n])
+        return Proposal(self.tokens[:, :n], self.positions[:, :n + 1], self.token_probs[:, :n], part(self.q),
+                        None, part(self.acceptance), None if self.lengths is None else self.lengths.clamp_max(n))
 
     @classmethod
     def anchor_only(cls, anchor: torch.Tensor, positions: torch.Tensor) -> "Proposal":
@@ -132,7 +147,9 @@ class BlockProposer:
     def __init__(self, draft, facts, draft_cache, sampling, mask_token_id: int, draft_window=None, tree_budget=None):
         self.draft, self.facts, self.draft_cache, self.sampling = draft, facts, draft_cache, sampling
         self.mask_token_id, self.window = mask_token_id, {} if draft_window is None else {"draft_window": draft_window}
-        self.tree_budget = tree_budget
+        self.auto_trees = tree_budget == "auto"
+        self.tree_budget = AUTO_TREE_BUDGET if self.auto_trees else tree_budget
+        self.size_trees = lambda trees: trees  # tree_budget="auto": the policy's cut (verify_policy.VerifyPolicy)
 
     def draft_pass(self, rows, b: int):
         """The block's draft pass (``_draft_logits``, looked up at call time so tests can replace it)."""
@@ -146,7 +163,8 @@ class BlockProposer:
         rows.context_drafted(self.draft_cache.get_seq_length())
         device = positions.device
         if self.tree_budget is not None:
-            tree = tree_batch(self.trees(*drafted if self.slot_states else (drafted,), rows=rows), device)
+            trees = self.size_trees(self.trees(*drafted if self.slot_states else (drafted,), rows=rows))
+            tree = tree_batch(trees, device)
             tokens = tree.tokens
             return Proposal(tokens, rows.start[:, None] + tree.depths, tree.token_probs, tree=tree)
         tokens, q, probs = self.choose(*drafted if self.slot_states else (drafted,), rows=rows)
@@ -278,18 +296,25 @@ class DSparkProposer(SelectorProposer):
 
     def propose(self, rows, b: int, positions: torch.Tensor) -> Proposal:
         """The Markov walk's chain of ``b - 1`` drafts, with the confidence head's per-slot estimates
-        (``Proposal.acceptance``) and, with ``confidence_threshold``, cut at the first slot under it (batch 1)."""
+        (``Proposal.acceptance``) and, with ``confidence_threshold``, each row cut at its first slot under it
+        (DeepSpec ``build_dspark_proposal``; a batch verifies up to its longest row's cut, ``Proposal.lengths``)."""
         logits, hidden = self.draft_pass(rows, b)
         rows.context_drafted(self.draft_cache.get_seq_length())
         tokens, q, probs = self.choose(logits, hidden, rows)
         prev = torch.cat([rows.anchor, tokens[:, :-1]], dim=1)
         head = self.draft.confidence_head
         conf = confidence_logits(head, self.draft.markov_head, self.draft.config.confidence_head_with_markov, hidden, prev)
-        n = tokens.shape[1] if not self.threshold else int(confident_length(conf, self.threshold).min())
+        full = Proposal(tokens, positions, probs, q, acceptance=None if conf is None else conf.sigmoid())
+        if not self.threshold:
+            return full
+        lengths = confident_length(conf, self.threshold)  # (A,) each row's cut
+        n = int(lengths.max())
         if n == 0:
             return Proposal.anchor_only(rows.anchor, positions[:, :1])
-        return Proposal(tokens[:, :n], positions[:, :n + 1], probs[:, :n], None if q is None else q[:, :n],
-                        acceptance=None if conf is None else conf[:, :n].sigmoid())
+        cut = full.cut(n)
+        if int(lengths.min()) < n:  # rows cut at different slots: the shorter ones stop at their own cut
+            cut.lengths = lengths
+        return cut
 
     def choose(self, draft_logits: torch.Tensor, slot_hidden: torch.Tensor, rows):
         s, markov = self.sampling, self.draft.markov_head
@@ -311,7 +336,8 @@ class DSparkProposer(SelectorProposer):
 
 def check_confidence_threshold(draft, threshold, batch: int) -> None:
     """Refuse, naming ``confidence_threshold``, a threshold outside ``[0, 1]``, one for a drafter without a
-    confidence head (anything but a DSpark drafter with ``enable_confidence_head``), or one at batch > 1."""
+    confidence head (anything but a DSpark drafter with ``enable_confidence_head``). ``batch``: unused (every
+    batch size runs: each row is cut at its own slot)."""
     if not threshold:
         return
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
@@ -319,8 +345,6 @@ def check_confidence_threshold(draft, threshold, batch: int) -> None:
     if getattr(draft, "confidence_head", None) is None:
         raise ValueError(f"confidence_threshold={threshold} needs a DSpark drafter with a confidence head; "
                          f"{type(draft).__name__} has none")
-    if batch > 1:
-        raise ValueError(f"confidence_threshold={threshold} runs at batch 1 only for now (got batch {batch})")
 
 
 def proposer_for(draft):
@@ -332,5 +356,5 @@ def proposer_for(draft):
     return SelectorProposer if getattr(draft, "candidate_selector", None) is not None else BlockProposer
 
 
-__all__ = ["BlockProposer", "DSparkProposer", "Proposal", "SelectorProposer", "check_confidence_threshold",
+__all__ = ["AUTO_TREE_BUDGET", "BlockProposer", "DSparkProposer", "Proposal", "SelectorProposer", "check_confidence_threshold",
            "choose_tokens", "proposer_for"]

@@ -88,7 +88,7 @@ def _process_at(procs, history, ids, lengths, ext, scores):
     return out
 
 
-def speculative_verify(draft_tokens, draft_probs, target_probs, generator=None):
+def speculative_verify(draft_tokens, draft_probs, target_probs, generator=None, lengths=None):
     """Speculative sampling acceptance (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023).
 
     Draft token ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``, in order, until
@@ -102,6 +102,9 @@ def speculative_verify(draft_tokens, draft_probs, target_probs, generator=None):
         target_probs: ``(B, n + 1, V)`` float, the target's processed distributions p after each
             block slot (slot j predicts the token after it; the last one gives the bonus token).
         generator: ``torch.Generator`` for the uniforms and the residual draw.
+        lengths: ``(B,)`` long or None: row ``r`` proposes only its first ``lengths[r]`` drafts (the rest are
+            verified positions it never accepts; reaching ``lengths[r]`` draws the bonus token from
+            ``p_{lengths[r]}``, as a chain of that length would).
 
     Returns:
         ``(accepted (B,), next_token (B,))``: accepted draft count in ``[0, n]`` and the token that
@@ -116,6 +119,11 @@ def speculative_verify(draft_tokens, draft_probs, target_probs, generator=None):
     accepted = ok.long().cumprod(dim=1).sum(dim=1)
     p_next = target_probs[rows, accepted]
     q_next = torch.cat([draft_probs, target_probs.new_zeros(bsz, 1, target_probs.shape[-1])], dim=1)[rows, accepted]
+    if lengths is not None:  # a row's end of proposal: its bonus token comes from p there
+        ended = accepted >= lengths
+        accepted = torch.minimum(accepted, lengths)
+        p_next = torch.where(ended[:, None], target_probs[rows, accepted], p_next)
+        q_next = torch.where(ended[:, None], torch.zeros_like(q_next), q_next)
     residual = (p_next - q_next).clamp_min(0)
     total = residual.sum(-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p_next)  # p == q: never rejected
@@ -219,10 +227,11 @@ class _Sampling:
         if proposal.tree is not None:
             return verify_tree(self, proposal.tree, target_logits, rows)
         drafts, q = proposal.tokens, proposal.q
-        accepted, next_token, scores = self._verify(drafts, q, target_logits, rows)
+        accepted, next_token, scores = self._verify(drafts, q, target_logits, rows, proposal.lengths)
         if self.user:
             accepted, next_token = lockstep(accepted, next_token, drafts)
-        return Verdict(accepted, next_token, scores, drafts, target_logits)
+        drafted = None if proposal.lengths is None else proposal.lengths.tolist()
+        return Verdict(accepted, next_token, scores, drafts, target_logits, drafted=drafted)
 
     def node_scores(self, procs, rows, sel: torch.Tensor, ext: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """``(g, V)`` fp32 processed scores at one tree node of each selected row ``sel`` ``(g,)``, whose path
@@ -231,11 +240,13 @@ class _Sampling:
             return self.processed(scores[:, None])[:, 0]
         return _process_at(procs, self.history, rows.ids[sel], self._lengths(rows)[sel], ext, scores)
 
-    def _verify(self, drafts, q, target_logits, rows):
+    def _verify(self, drafts, q, target_logits, rows, lengths=None):
         if not self.do_sample:  # greedy: keep drafts equal to the target's (processed) argmax
             scores = self.target_scores(drafts, target_logits, rows) if len(self.procs) else None
             choice = (target_logits if scores is None else scores).argmax(dim=-1)  # (A, n + 1)
             accepted = (drafts == choice[:, :-1]).cumprod(dim=1).sum(dim=1)  # bool cumprod: int64
+            if lengths is not None:
+                accepted = torch.minimum(accepted, lengths)
             if scores is None and self.want_scores:
                 scores = target_logits.float()
             return accepted, choice.gather(1, accepted[:, None])[:, 0], scores
@@ -245,7 +256,8 @@ class _Sampling:
         else:
             p = self.probs(target_logits)
             scores = self.processed(target_logits) if self.want_scores else None
-        accepted, nxt = speculative_verify(drafts, p[:, :0] if q is None else q, p, self.generator)
+        cut = {} if lengths is None else {"lengths": lengths}
+        accepted, nxt = speculative_verify(drafts, p[:, :0] if q is None else q, p, self.generator, **cut)
         return accepted, nxt, scores
 
 

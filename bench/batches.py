@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .core import REFERENCE, ForwardProbe, _now
+from .core import REFERENCE, ForwardProbe, _now, drafting_stats
 
 
 def left_pad(rows: list, pad: int, device) -> tuple:
@@ -61,7 +61,7 @@ def package_contender(draft, target, block_size: int, kw: dict):
         out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                   block_size=block_size, return_dict_in_generate=True, **kw)
         rows = [out.sequences[i, ids.shape[1]:][: n].tolist() for i, n in enumerate(out.num_new_tokens)]
-        return rows, out.row_acceptance_lengths
+        return rows, out.row_acceptance_lengths, out.row_draft_lengths
     return run
 
 
@@ -70,11 +70,13 @@ def _measure(run, target, ids, mask, max_new_tokens, clock, seed) -> dict:
     torch.manual_seed(seed)
     with ForwardProbe(target, device) as probe:
         wall0, cpu0 = _now(device), time.process_time()
-        rows, lengths = run(ids, mask, max_new_tokens)
+        result = run(ids, mask, max_new_tokens)
         wall1, cpu1 = _now(device), time.process_time()
+    rows, lengths = result[:2]
+    drafted = result[2] if len(result) > 2 else None
     spent = (cpu1 - cpu0) if clock == "cpu" else (wall1 - wall0)
     first = (probe.first_cpu - cpu0) if clock == "cpu" else (probe.first_wall - wall0)
-    return {"rows": rows, "lengths": lengths, "new": sum(len(r) for r in rows), "time_s": spent,
+    return {"rows": rows, "lengths": lengths, "drafted": drafted, "new": sum(len(r) for r in rows), "time_s": spent,
             "steps": max(probe.forwards - 1, 0), "decode_s": spent - first}
 
 
@@ -132,6 +134,9 @@ def _summarize(runs: dict, contenders: dict, greedy: bool, n_batches: int, size:
         if flat and flat[0]["lengths"] is not None:
             e["row_tau"] = [sum(lengths) / max(len(lengths), 1) for x in rs[0] for lengths in x["lengths"]]
             e["tau"] = statistics.mean(e["row_tau"])
+        if flat and flat[0].get("drafted") is not None:
+            e.update(drafting_stats([ls for x in flat for ls in x["lengths"]], [ds for x in flat for ds in x["drafted"]],
+                                    len(rs)))
         if base is not None:
             e["speedup"] = statistics.median(b / t for b, t in zip(base, per_token[n]))
         if greedy and n != REFERENCE and REFERENCE in runs:
@@ -142,13 +147,14 @@ def _summarize(runs: dict, contenders: dict, greedy: bool, n_batches: int, size:
 
 
 def table(batches: dict) -> str:
-    lines = ["| batch | contender | tok/s (batch) | speedup vs target.generate | tau (mean of rows) | ms per step |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| batch | contender | tok/s (batch) | speedup vs target.generate | tau (mean of rows) | ms per step | "
+             "tau (drafting steps) | verified per step |", "|---|---|---|---|---|---|---|---|"]
     for size, v in batches["sizes"].items():
         for n, e in v["contenders"].items():
-            sp, tau = e.get("speedup"), e.get("tau")
+            sp, tau, td, vp = e.get("speedup"), e.get("tau"), e.get("tau_drafting"), e.get("verified_per_step")
             lines.append(f"| {size} | {n} | {e['tokens_per_s']:.1f} | {'-' if sp is None else f'{sp:.2f}x'} | "
-                         f"{'-' if tau is None else f'{tau:.2f}'} | {e['step_ms']:.2f} |")
+                         f"{'-' if tau is None else f'{tau:.2f}'} | {e['step_ms']:.2f} | "
+                         f"{'-' if td is None else f'{td:.2f}'} | {'-' if vp is None else f'{vp:.2f}'} |")
         if v.get("unsupported"):
             lines.append(f"| {size} | {', '.join(v['unsupported'])} | unsupported at this batch size | | | |")
     lines.append(f"\ncrossover (smallest batch size where no block size beats target.generate): {batches['crossover']}; "

@@ -34,7 +34,7 @@ from . import contenders as C
 from .acceptance import acceptance_record, dataset_name, write_acceptance
 from . import batches as B
 from .core import interleaved, plot, summarize, table
-from .prompts import DATASETS, HELDOUT, dataset_prompts, encode, extend_prompt, local_prompts, render
+from .prompts import DATASETS, HELDOUT, dataset_prompts, encode, extend_prompt, local_prompts, more_heldout_prompts, render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -248,7 +248,11 @@ def run(args) -> dict:
               "prompt_ids": [r["id"] for r in records], "prompt_lengths": [p.shape[1] for p in prompts],
               "main": summarize(runs, cons, args.max_new_tokens, clock, greedy)}
     report["sweep"] = sweep(args, tok, target, cons, records, device, sampling, clock, greedy)
-    report["batches"] = batch_runs(args, target, draft, [p[0].tolist() for p in prompts], sampling, clock, greedy)
+    batch_prompts = [p[0].tolist() for p in prompts]
+    wanted = max([int(x) for x in args.batch_sizes.split(",") if x.strip()], default=0)
+    if wanted > len(batch_prompts) and not args.dataset and Path(args.prompts).resolve() == HELDOUT.resolve():
+        batch_prompts = more_heldout_prompts(tok, wanted)  # batch 32 from 32 distinct held-out prompts
+    report["batches"] = batch_runs(args, target, draft, batch_prompts, sampling, clock, greedy)
     write(report, args)
     if args.acceptance_out:
         write_acceptance(package_acceptance(report, args, draft), args.acceptance_out)
@@ -294,6 +298,9 @@ def batch_runs(args, target, draft, prompts: list, sampling: dict, clock: str, g
     blocks = [int(x) for x in args.block_sizes.split(",")]
     for b in blocks if "package" in want else []:
         cons[f"package@{b}"] = (B.package_contender(draft, target, b, package_kw), b, None)
+    for b in blocks if "adaptive" in want else []:
+        cons[f"adaptive@{b}"] = (B.package_contender(draft, target, b, dict(package_kw, adaptive_block_size=True)), b,
+                                 None)
     for n in [int(x) for x in args.tree_budgets.split(",") if x.strip()]:
         cons[f"tree@{n}"] = (B.package_contender(draft, target, blocks[0], dict(package_kw, tree_budget=n)), blocks[0],
                              None)

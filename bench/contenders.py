@@ -80,7 +80,8 @@ def package(draft, target, block_size: int, **options) -> Callable:
     def run(ids, max_new_tokens, sampling):
         out = draft.spec_generate(target, ids, max_new_tokens=max_new_tokens, block_size=block_size,
                                   return_dict_in_generate=True, **sampling_kwargs(sampling), **options)
-        return out.sequences[0, ids.shape[1]:][: out.num_new_tokens[0]].tolist(), out.row_acceptance_lengths[0]
+        return (out.sequences[0, ids.shape[1]:][: out.num_new_tokens[0]].tolist(), out.row_acceptance_lengths[0],
+                out.row_draft_lengths[0])
     return run
 
 

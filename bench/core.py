@@ -50,10 +50,12 @@ def measure(contender, target, ids, max_new_tokens: int, sampling: dict, seed: i
     torch.manual_seed(seed)
     with ForwardProbe(target, device) as probe:
         wall0, cpu0 = _now(device), time.process_time()
-        tokens, lengths = contender.run(ids, max_new_tokens, sampling)
+        result = contender.run(ids, max_new_tokens, sampling)
         wall1, cpu1 = _now(device), time.process_time()
+    tokens, lengths = result[:2]
     n = len(tokens)
     return {"tokens": tokens, "new": n, "steps": max(probe.forwards - 1, 0), "lengths": lengths,
+            "drafted": result[2] if len(result) > 2 else None,
             "wall_s": wall1 - wall0, "cpu_s": cpu1 - cpu0,
             "ttft_s": probe.first_wall - wall0, "tpot_s": (wall1 - probe.first_wall) / max(n - 1, 1)}
 
@@ -109,6 +111,8 @@ def summarize(runs: dict, contenders, max_new_tokens: int, clock: str = "cpu", g
         if c.block_size and all(x["lengths"] is not None for x in flat):
             acc = acceptance_stats([x["lengths"] for x in flat], [x["new"] for x in flat], c.block_size, max_new_tokens)
             entry.update(per_slot=acc["per_slot"], histogram=acc["histogram"])
+        if flat and all(x.get("drafted") is not None for x in flat):
+            entry.update(drafting_stats([x["lengths"] for x in flat], [x["drafted"] for x in flat], len(rounds)))
         if base is not None:
             entry["speedup"] = _median([b / t for b, t in zip(base, per_token[c.name])])
             entry["c"] = step_cost(entry["tau"], entry["speedup"])
@@ -120,15 +124,27 @@ def summarize(runs: dict, contenders, max_new_tokens: int, clock: str = "cpu", g
     return {"contenders": out, "ratios": ratios, "clock": clock}
 
 
+def drafting_stats(lengths: list, drafted: list, rounds: int = 1) -> dict:
+    """From per-run step lists (tokens committed per verify step, drafted positions per step): ``tau_drafting``
+    (tokens per step over the steps that drafted), ``plain_steps`` (steps that verified no drafted position,
+    per round) and ``verified_per_step`` (target positions per verify step, anchor included)."""
+    pairs = [(a, d) for ls, ds in zip(lengths, drafted) for a, d in zip(ls, ds)]
+    drafting = [a for a, d in pairs if d > 0]
+    return {"tau_drafting": sum(drafting) / len(drafting) if drafting else None,
+            "plain_steps": sum(d == 0 for _, d in pairs) / max(rounds, 1),
+            "verified_per_step": sum(d + 1 for _, d in pairs) / len(pairs) if pairs else None}
+
+
 def table(summary: dict) -> str:
     """Markdown table of a summary."""
-    lines = ["| contender | tau | speedup vs target.generate | c = tau / speedup | tok/s | TTFT ms | TPOT ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| contender | tau | speedup vs target.generate | c = tau / speedup | tok/s | TTFT ms | TPOT ms | "
+             "tau (drafting steps) | verified per step |", "|---|---|---|---|---|---|---|---|---|"]
     for name, e in summary["contenders"].items():
-        sp, c = e.get("speedup"), e.get("c")
+        sp, c, td, vp = e.get("speedup"), e.get("c"), e.get("tau_drafting"), e.get("verified_per_step")
         lines.append(f"| {name} | {e['tau']:.2f} | {'-' if sp is None else f'{sp:.2f}x'} | "
                      f"{'-' if c is None else f'{c:.2f}'} | {e['tokens_per_s']:.1f} | {1e3 * e['ttft_s']:.1f} | "
-                     f"{1e3 * e['tpot_s']:.2f} |")
+                     f"{1e3 * e['tpot_s']:.2f} | {'-' if td is None else f'{td:.2f}'} | "
+                     f"{'-' if vp is None else f'{vp:.2f}'} |")
     return "\n".join(lines)
 
 

@@ -133,6 +133,20 @@ def heldout_files(manifest=MANIFEST) -> list[str]:
     return [e["path"] for e in json.loads(Path(manifest).read_text())["heldout"]]
 
 
+def more_heldout_prompts(tokenizer, n: int, root=None) -> list[list[int]]:
+    """Token ids of ``n`` distinct held-out prompts: the shipped ones first, then more picked the same way
+    from the same held-out files (``train.corpus.select_prompts``, round-robin over the modules), for batch
+    sizes beyond the 16 shipped prompts (``--batch-sizes 32``).
+
+    Raises ValueError when the held-out files hold fewer than ``n`` prompts."""
+    from train.corpus import select_prompts, stdlib_root
+
+    records = select_prompts(heldout_files(), Path(root) if root is not None else stdlib_root(), n=n)
+    if len(records) < n:
+        raise ValueError(f"the held-out files hold {len(records)} prompts, fewer than {n}")
+    return [encode(tokenizer, r["prompt"]) for r in records]
+
+
 def extend_prompt(tokenizer, record: dict, length: int, root=None, files: list[str] | None = None) -> list[int]:
     """Token ids of a held-out prompt left-extended to ``length`` tokens.
 

@@ -7,6 +7,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny.py, tests/reference.py
 import patching  # noqa: E402  (tests/patching.py)
 
+# the verify-length policy's measured tables (verify_policy.cost_file) go to a folder of this run, not to ~
+os.environ.setdefault("DFLASH_HF_CACHE", os.path.join(__import__("tempfile").mkdtemp(prefix="dflash_hf_costs_")))
 torch.set_num_threads(1)  # tiny models: threads only add overhead on the 2-core CI machine
 
 

@@ -278,7 +278,8 @@ def test_plot_shows_per_slot_acceptance_and_the_histogram(pair):
     counts = [bar.get_height() for bar in hist.patches]
     assert sum(counts) == len(out.acceptance_lengths)
     assert counts[0] == sum(a == 1 for a in out.acceptance_lengths)
-    tau = sum(out.acceptance_lengths) / len(out.acceptance_lengths)
+    drafting = [a for a, d in zip(out.row_acceptance_lengths[0], out.row_draft_lengths[0]) if d > 0]
+    tau = sum(drafting) / len(drafting)  # over the steps that drafted (a last plain step at the budget is not)
     assert hist.lines[0].get_xdata()[0] == pytest.approx(tau)
 
 
