@@ -450,3 +450,38 @@ def test_converter_reads_a_deepspec_folder_verifies_and_writes_it(tmp_path):
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     ref = target.generate(ids, max_new_tokens=16, do_sample=False)
     assert torch.equal(loaded.spec_generate(target, ids, max_new_tokens=16, temperature=0.0), ref)
+
+
+# ----------------------------------------------------------------------------- own embed_tokens / lm_head vs the target's
+
+
+@pytest.mark.parametrize("edit, named, diff", [(None, None, None),
+                                               ("embed_tokens.weight", "embed_tokens.weight", 0.75),
+                                               ("lm_head.weight", "lm_head.weight", 0.5),
+                                               ("both", "embed_tokens.weight", 0.75)])
+def test_own_copies_that_differ_from_the_targets_warn_once_naming_the_largest(tmp_path, caplog, edit, named, diff):
+    """The drafter's own copies equal to the target's: nothing said. One differing (a single entry moved by
+    ``diff``; with both edited, embed_tokens by 0.75 and lm_head by 0.5): one warning per call naming that tensor
+    and its max abs difference, and the output is still the target's (the verify uses the target's head)."""
+    import logging
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    tensors = _tensors()
+    tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
+    tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach().clone()
+    if edit in ("embed_tokens.weight", "both"):
+        tensors["embed_tokens.weight"][7, 3] += 0.75
+    if edit in ("lm_head.weight", "both"):
+        tensors["lm_head.weight"][11, 5] -= 0.5
+    draft = DFlashDraftModel.from_pretrained(_folder(tmp_path / "d", tensors=tensors)).eval()
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    with caplog.at_level(logging.WARNING):
+        out = draft.spec_generate(target, ids, max_new_tokens=6, temperature=0.0)
+    warned = [r.getMessage() for r in caplog.records if "differs from the target's" in r.getMessage()]
+    assert torch.equal(out, target.generate(ids, max_new_tokens=6, do_sample=False))
+    if named is None:
+        assert warned == [] and "DSpark" not in caplog.text
+        return
+    assert len(warned) == 1 and f"own {named} differs" in warned[0], warned
+    assert f"max abs difference {diff:.4g}" in warned[0]
