@@ -7,6 +7,7 @@ names), shrunk to vocab 97, hidden 40, 3 layers.
 """
 
 import json
+import sys
 
 import pytest
 import torch
@@ -485,3 +486,74 @@ def test_own_copies_that_differ_from_the_targets_warn_once_naming_the_largest(tm
         return
     assert len(warned) == 1 and f"own {named} differs" in warned[0], warned
     assert f"max abs difference {diff:.4g}" in warned[0]
+
+
+# ----------------------------------------------------------------------------- the other routes: native, pipeline, static
+
+
+def test_native_dflash_route_refuses_a_dspark_drafter_by_name(tmp_path):
+    """transformers' own DFlash loop (``speculation_type="dflash"``, 5.x) drafts slot k as ``start + k`` from the
+    target's head: with a DSpark drafter it would run (lossless, wrong drafts), so the drafter refuses it by name
+    and names the routes that run it. On 4.57 the route does not exist (``native_dflash_available``)."""
+    from modeling_dflash import native_dflash_available
+    from tiny import tiny_target
+
+    if not native_dflash_available():
+        pytest.skip("this transformers has no native DFlash candidate generator (speculation_type='dflash' is 5.x)")
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    draft, _ = _oracle_draft(tmp_path, target, prompt, 8)
+    with pytest.raises(ValueError, match=r"DSpark drafter \(Qwen3DSparkModel\) does not run on transformers' native "
+                                         r"DFlash route.*spec_generate.*custom_generate="):
+        target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=8,
+                        assistant_model=draft, speculation_type="dflash")
+
+
+def test_pipeline_with_a_dspark_assistant_runs_it_exactly_through_custom_generate(tmp_path, monkeypatch):
+    """``pipeline("text-generation", model=target, assistant_model=draft)`` with ``custom_generate=<folder>`` runs
+    the DSpark loop (the Markov oracle's drafts accepted: counted on the proposer) and returns the plain
+    pipeline's text; without a route named, transformers' own message naming ``custom_generate``."""
+    import transformers
+    from tiny import tiny_target, tiny_tokenizer
+
+    target = tiny_target(layers=4)
+    tok = tiny_tokenizer()
+    text = "w3 w14 w15 w92 w65"
+    prompt = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    oracle, _ = _oracle_draft(tmp_path, target, prompt, 12)
+    oracle.save_pretrained(tmp_path / "saved")
+    draft = transformers.AutoModel.from_pretrained(tmp_path / "saved", trust_remote_code=True).eval()
+    remote_proposers = sys.modules[type(draft).__module__.rsplit(".", 1)[0] + ".proposers"]
+    proposals = []
+    original = remote_proposers.DSparkProposer.propose
+    monkeypatch.setattr(remote_proposers.DSparkProposer, "propose",
+                        lambda self, *a: proposals.append(original(self, *a)) or proposals[-1])
+    plain = transformers.pipeline("text-generation", model=target, tokenizer=tok)(text, max_new_tokens=12,
+                                                                                   do_sample=False)
+    pipe = transformers.pipeline("text-generation", model=target, tokenizer=tok, assistant_model=draft)
+    fast = pipe(text, max_new_tokens=12, do_sample=False, custom_generate=str(tmp_path / "saved"), trust_remote_code=True)
+    assert fast == plain and proposals, "the pipeline never ran the DSpark proposer"
+    with pytest.raises(AttributeError, match="custom_generate"):
+        pipe(text, max_new_tokens=12, do_sample=False)
+
+
+def test_static_loop_with_dspark_runs_the_dynamic_loop_with_one_info_log(tmp_path, caplog, monkeypatch):
+    """``cache_implementation="static"`` with a DSpark drafter: the fixed-shape loop does not run its proposer
+    (``DSparkProposer.static_loop`` False), so the call runs the dynamic loop (static_decode never called) with
+    exactly one info log, and the tokens are the target's."""
+    import logging
+    import generation_utils
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    draft, greedy = _oracle_draft(tmp_path, target, prompt, 12)
+    monkeypatch.setattr(generation_utils, "static_decode", lambda *a, **k: pytest.fail("static loop used"))
+    with caplog.at_level(logging.INFO):
+        out = draft.spec_generate(target, prompt, max_new_tokens=12, temperature=0.0, cache_implementation="static",
+                                  return_dict_in_generate=True)
+    # The reason logged is generation_utils._static_loop's for a proposer with static_loop False (its wording
+    # names DFlash 2's selector walk today); only the one info log is asserted here.
+    logs = [r for r in caplog.records if "falls back to the dynamic loop" in r.getMessage()]
+    assert len(logs) == 1 and logs[0].levelno == logging.INFO, [r.getMessage() for r in caplog.records]
+    assert out.sequences[0].tolist() == greedy and sum(out.row_accepted_drafts[0]) >= 4
