@@ -429,8 +429,8 @@ def test_dspark_through_automodel_custom_generate_cache_window_and_streamer(tmp_
 def test_converter_reads_a_deepspec_folder_verifies_and_writes_it(tmp_path):
     """``convert.convert_checkpoint`` on a folder in DeepSpec's layout: dialect ``deepspec``, every tensor kept
     (its own ``embed_tokens`` / ``lm_head`` included), the written folder loads through ``AutoModel`` +
-    ``trust_remote_code`` as a DSpark drafter with the same tensors and runs exactly against a target; no
-    engine command is printed for it (the engines' DSpark arguments are not checked here)."""
+    ``trust_remote_code`` as a DSpark drafter with the same tensors and runs exactly against a target; the
+    engines' DSpark commands are printed (their names: tests/test_engine_args.py)."""
     import transformers
     from convert.convert_checkpoint import convert_checkpoint
     from tiny import tiny_target
@@ -442,7 +442,8 @@ def test_converter_reads_a_deepspec_folder_verifies_and_writes_it(tmp_path):
     saved = DFlashDraftModel.from_pretrained(source)
     saved.save_pretrained(tmp_path / "again")  # save_pretrained renames the in-memory architectures
     assert proposers.proposer_for(saved) is proposers.DSparkProposer  # it still drafts as DSpark
-    assert plan.dialect == "deepspec" and not plan.dropped and "not printed for a DSpark drafter" in plan.describe()
+    assert plan.dialect == "deepspec" and not plan.dropped
+    assert '"method": "dspark"' in plan.describe() and "--speculative-algorithm DSPARK" in plan.describe()
     loaded = transformers.AutoModel.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
     assert type(loaded).__name__ == "DSparkDraftModel"
     original = _tensors()
@@ -557,3 +558,27 @@ def test_static_loop_with_dspark_runs_the_dynamic_loop_with_one_info_log(tmp_pat
     logs = [r for r in caplog.records if "falls back to the dynamic loop" in r.getMessage()]
     assert len(logs) == 1 and logs[0].levelno == logging.INFO, [r.getMessage() for r in caplog.records]
     assert out.sequences[0].tolist() == greedy and sum(out.row_accepted_drafts[0]) >= 4
+
+
+@pytest.mark.parametrize("rank, confidence", [(R, True), (0, False)])
+def test_engine_only_conversion_writes_deepspecs_layout_unchanged(tmp_path, rank, confidence):
+    """``--engine-only`` on a DeepSpec folder (DSpark, and the DFlash baseline): the written config.json is the
+    source's byte for byte (``architectures: ["Qwen3DSparkModel"]``, top-level keys, no ``auto_map``, no
+    ``dflash_config``), the tensors are the source's (names and bits), no remote code is written, and the
+    folder still loads as a DSpark drafter; the engine commands are DSpark's (the baseline's with its note)."""
+    from safetensors.torch import load_file
+    from convert.convert_checkpoint import main as convert_main  # the command line users run
+
+    source = _folder(tmp_path / "deepspec", _config(rank=rank, confidence=confidence),
+                     _tensors(rank=rank, confidence=confidence))
+    out = tmp_path / "out"
+    assert convert_main([source, str(out), "--engine-only"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "config.json").read_bytes() == (tmp_path / "deepspec" / "config.json").read_bytes()
+    written, original = load_file(str(out / "model.safetensors")), _tensors(rank=rank, confidence=confidence)
+    assert set(written) == set(original) and all(torch.equal(written[k], original[k]) for k in original)
+    model = DFlashDraftModel.from_pretrained(str(out))
+    assert type(model) is DSparkDraftModel and (model.markov_head is None) == (rank == 0)
+    from convert.convert_checkpoint import convert_checkpoint
+    described = convert_checkpoint(source, str(tmp_path / "again"), engine_only=True, dry_run=True).describe()
+    assert "--speculative-algorithm DSPARK" in described and ("markov_rank 0" in described) == (rank == 0)
