@@ -176,8 +176,7 @@ def render_model_card(
         acceptance = validate_acceptance(acceptance)
     if acceptance is not None and acceptance["block_size"] > config.block_size:
         raise AcceptanceError(f"acceptance.block_size={acceptance['block_size']} exceeds the draft's block_size={config.block_size}")
-    commands = engine_commands(repo_id, config.block_size, target_id, draft_layer_types=config.layer_types,
-                               dspark=bool(getattr(config, "is_dspark", False)))  # DSpark: its own flags
+    commands = engine_commands(repo_id, config.block_size, target_id, draft_layer_types=config.layer_types)
     layer_summary = ", ".join(f"{t} x{config.layer_types.count(t)}" for t in dict.fromkeys(config.layer_types))
     if config.sliding_window and "sliding_attention" in config.layer_types:
         layer_summary += f", window {config.sliding_window}"
