@@ -151,5 +151,38 @@ def dspark_propose(model, hidden_states: torch.Tensor, anchor_ids: torch.Tensor,
     return DSparkDraft(tokens, logits, conf)
 
 
+def copies_difference(draft, target_embed, target_head, chunk_rows: int = 8192) -> Optional[str]:
+    """The warning for a DSpark drafter whose own ``embed_tokens`` / ``lm_head`` differ from the target's input
+    embedding / output head, naming the tensor with the largest max abs difference; None when both are equal
+    (DeepSpec copies the target's, ``initialize_embeddings_and_head``), or when a side cannot be compared (no
+    floating weight: a quantized head, a ``meta`` offload). A differing copy is still run: the draft uses the
+    drafter's own copies, the verify the target's, so the output is the target's either way.
+
+    Compared in fp32, ``chunk_rows`` rows at a time on the drafter's device (memory bounded by a chunk, not V x H).
+    """
+    worst = None
+    for name, own, theirs in (("embed_tokens.weight", draft.embed_tokens.weight, getattr(target_embed, "weight", None)),
+                              ("lm_head.weight", draft.lm_head.weight, getattr(target_head, "weight", None))):
+        if theirs is None or not (own.is_floating_point() and theirs.is_floating_point()) or "meta" in (
+                own.device.type, theirs.device.type):
+            continue
+        if own.shape != theirs.shape:
+            return (f"the DSpark drafter's own {name} has shape {tuple(own.shape)}, the target's {tuple(theirs.shape)}: "
+                    "it drafts with its own copy (the target verifies with its own), so the output is the target's")
+        diff = 0.0
+        for i in range(0, own.shape[0], chunk_rows):
+            part = theirs[i:i + chunk_rows].to(device=own.device, dtype=torch.float32)
+            diff = max(diff, float((own[i:i + chunk_rows].float() - part).abs().max()))
+        if diff > 0 and (worst is None or diff > worst[1]):
+            worst = (name, diff)
+    if worst is None:
+        return None
+    other = "input embedding" if worst[0] == "embed_tokens.weight" else "output head"
+    return (f"the DSpark drafter's own {worst[0]} differs from the target's {other} (max abs difference "
+            f"{worst[1]:.4g}; the largest of embed_tokens / lm_head): DeepSpec drafters carry copies of their "
+            "target's, so this drafter may have been trained for another target. It drafts with its own copies and "
+            "the target verifies with its own, so the output is the target's; only acceptance can suffer")
+
+
 __all__ = ["ConfidenceHead", "DSparkDraft", "MarkovHead", "build_heads", "confidence_logits", "confident_length",
-           "dspark_propose", "markov_walk", "slot_inputs"]
+           "copies_difference", "dspark_propose", "markov_walk", "slot_inputs"]

@@ -14,9 +14,11 @@ from transformers import GenerationConfig, StopStringCriteria
 from transformers.utils import logging
 
 try:
+    from .dspark import copies_difference
     from .target_cache import check_target_cache
     from .target_taps import _decoder_parts
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from dspark import copies_difference
     from target_cache import check_target_cache
     from target_taps import _decoder_parts
 
@@ -155,7 +157,9 @@ def check_vocab(draft_vocab: int, target_vocab: int) -> None:
 
 
 def check_pairing(draft, target):
-    """Raise ValueError unless ``draft`` was built for ``target`` (hidden size, layers, vocab)."""
+    """Raise ValueError unless ``draft`` was built for ``target`` (hidden size, layers, vocab). A DSpark drafter
+    whose own ``embed_tokens`` / ``lm_head`` differ from the target's is accepted with one warning naming the
+    largest difference (``dspark.copies_difference``)."""
     cfg = draft.config
     layers, _ = _decoder_parts(target)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -176,6 +180,9 @@ def check_pairing(draft, target):
     if not cfg.mask_token_id < min(t_vocab, head.weight.shape[0]):
         raise ValueError(f"mask_token_id={cfg.mask_token_id} is outside the target vocabulary of {t_vocab}")
     check_target_cache(target)  # hybrid linear-attention targets: supported families only, exact rollback
+    differs = copies_difference(draft, embed, head) if getattr(cfg, "is_dspark", False) else None
+    if differs:
+        logger.warning(differs)
 
 
 def _check_is_causal_lm(target):

@@ -46,7 +46,21 @@ def check_native_target(draft_config, max_depth: int = 8) -> None:
     The drafter's forward sees only the target's embeddings of its block, not the target: the caller,
     transformers' ``DFlashTokenCandidateGenerator.get_candidates`` (5.x), holds the target's embedding as
     ``main_model_input_embeddings``, found by walking up at most ``max_depth`` frames. Nothing is checked
-    when no such caller is found (our own loop checks before any forward)."""
+    when no such caller is found (our own loop checks before any forward).
+
+    Raises:
+        ValueError: naming DSpark, for a DSpark drafter (``draft_config.is_dspark``): the native loop drafts
+            slot k as the token at ``start + k`` from the target's head and discards slot 0, while DSpark's
+            slot k is ``start + k + 1`` from its own head plus the Markov walk; only this package's loop runs it.
+    """
+    if getattr(draft_config, "is_dspark", False):
+        arch = (getattr(draft_config, "architectures", None) or ["DSpark"])[0]
+        raise ValueError(
+            f"a DSpark drafter ({arch}) does not run on transformers' native DFlash route (speculation_type="
+            "\"dflash\"): that loop drafts slot k as the token at start + k from the target's head, a DSpark slot k "
+            "is start + k + 1 from the drafter's own head and Markov walk. Use draft.spec_generate(target, input_ids, "
+            "...) or target.generate(input_ids, custom_generate=<the drafter's folder>, assistant_model=draft, "
+            "trust_remote_code=True)")
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:

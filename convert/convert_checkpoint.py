@@ -72,7 +72,7 @@ import torch  # noqa: E402
 
 from . import keymap, sources  # noqa: E402
 from ._project import CUSTOM_GENERATE_FILE, REMOTE_CODE_FILES, DFlash2DraftModel, DFlashConfig, DFlashDraftModel, capture_target_features, spec_generate  # noqa: E402
-from .engines import DFLASH2_ENGINE_NOTE, engine_commands, is_hub_id  # noqa: E402
+from .engines import DFLASH2_ENGINE_NOTE, DSPARK_BASELINE_NOTE, DSPARK_ENGINE_NOTE, engine_commands, is_hub_id  # noqa: E402
 from .errors import ConversionError  # noqa: E402
 
 MAX_SHARD_SIZE = "5GB"
@@ -114,7 +114,8 @@ class ConversionPlan:
     def engine_commands(self, target=None) -> dict:
         """The vLLM / SGLang command lines serving this output (see ``convert/engines.py``)."""
         return engine_commands(self.output, self.config.block_size, target or self.config.target_model_id,
-                               draft_layer_types=self.config.layer_types)
+                               draft_layer_types=self.config.layer_types,
+                               dspark=bool(getattr(self.config, "is_dspark", False)))
 
     def describe(self) -> str:
         """A human-readable summary, printed by the command line."""
@@ -143,14 +144,14 @@ class ConversionPlan:
         lines.append(f"  files:    {', '.join(self.files)}")
         if self.checks:
             lines.append("  verified: " + "; ".join(self.checks))
-        if getattr(cfg, "is_dspark", False):  # issue 38: the engines' DSpark flags are not established here yet
-            lines.append("  serve with: not printed for a DSpark drafter (the engines' DSpark arguments are not "
-                         "checked by this converter yet)")
-            return "\n".join(lines)
         commands = self.engine_commands()
         lines += ["  serve with:", f"    vLLM:   {commands['vllm']}", f"    SGLang: {commands['sglang']}"]
         if cfg.is_dflash2:
             lines.append(f"    note:   {DFLASH2_ENGINE_NOTE}")
+        if getattr(cfg, "is_dspark", False):
+            lines.append(f"    note:   {DSPARK_ENGINE_NOTE}")
+            if not cfg.markov_rank:
+                lines.append(f"    note:   {DSPARK_BASELINE_NOTE}")
         return "\n".join(lines)
 
 
@@ -367,7 +368,8 @@ def verify_conversion(folder: str, reference: DFlashDraftModel, engine_only: boo
     """
     checks = []
     _check_plain_config(folder, reference.config)
-    checks.append("plain AutoConfig reads a qwen3 config with dflash_config")
+    checks.append("plain AutoConfig reads a qwen3 config with " + (
+        "DeepSpec's top-level DSpark keys" if getattr(reference.config, "is_dspark", False) else "dflash_config"))
     _check_tensors(folder, reference)
     checks.append("written tensors equal the source bit for bit")
     converted = _load_written(folder, engine_only)
@@ -555,6 +557,11 @@ def convert_checkpoint(
     del tensors
     with staged_output(output, overwrite) as tmp:
         plan.files = write_folder(reference, tmp, engine_only)
+        if engine_only and plan.dialect == "deepspec":  # the engines read DeepSpec's own config.json: keep it as is
+            shutil.copyfile(os.path.join(source_dir, "config.json"), os.path.join(tmp, "config.json"))
+            plan.notes.append("engine-only DeepSpec folder: config.json is the source's, byte for byte"
+                              + (" (target_model_id / target_revision not recorded: DeepSpec's config has no such key)"
+                                 if target_id or target_revision else ""))
         if verify:
             plan.checks = verify_conversion(tmp, reference, engine_only, verify_target, seed)
     plan.dry_run = False

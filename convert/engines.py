@@ -11,6 +11,18 @@ A DFlash 2 folder takes the same flags: both engines pick DFlash 2 from the conf
 runner forced by ``VllmConfig._is_dflash2_draft`` (vllm-project/vllm PR #52816). SGLang: the DFLASH
 worker with ``DFlash2DraftModel`` in ``python/sglang/srt/models/dflash.py`` ``EntryClass``
 (sgl-project/sglang PR #35371). See [`DFLASH2_ENGINE_NOTE`].
+
+A DSpark folder (DeepSpec's ``architectures: ["Qwen3DSparkModel"]``, issue 38) drafts ``block_size``
+tokens and verifies ``block_size + 1`` (slot k is ``start + k + 1``), so both counts move by one:
+vLLM method ``"dspark"`` with ``num_speculative_tokens = block_size`` (vllm-project/vllm
+``vllm/config/speculative.py`` @ 002e77c1: ``DSparkModelTypes = Literal["dspark"]``, a draft whose
+``architectures`` hold ``Qwen3DSparkModel`` is detected as ``"dspark"``, and its Qwen3-Omni check
+requires ``num_speculative_tokens`` == the trained ``block_size``); SGLang ``--speculative-algorithm
+DSPARK`` with ``--speculative-num-draft-tokens = block_size + 1`` (sgl-project/sglang
+``python/sglang/srt/arg_groups/speculative_hook.py`` @ 004c82e0 ``_handle_dspark``: "DSpark
+speculative_num_draft_tokens must equal gamma + 1", gamma read from the checkpoint's ``block_size``;
+``arg_groups/fields/spec.py`` @ 015c8726 lists ``DSPARK`` among the builtin algorithms). See
+[`DSPARK_ENGINE_NOTE`].
 """
 
 import json
@@ -36,6 +48,16 @@ DFLASH2_ENGINE_NOTE = ("DFlash 2 (architectures DFlash2DraftModel): same flags; 
                        "sgl-project/sglang#35371 (both merged August 2026, after the last tagged releases)")
 
 
+# What a DSpark folder's flags rest on (printed by the converter).
+DSPARK_ENGINE_NOTE = ("DSpark (architectures Qwen3DSparkModel): a block of block_size slots drafts block_size tokens "
+                      "and verifies block_size + 1, hence vLLM num_speculative_tokens = block_size and SGLang "
+                      "--speculative-num-draft-tokens = block_size + 1 (vLLM method \"dspark\", "
+                      "vllm/config/speculative.py; SGLang DSPARK, arg_groups/speculative_hook.py _handle_dspark). "
+                      "vLLM's optional \"enable_adaptive_verification\": true uses the confidence head")
+DSPARK_BASELINE_NOTE = ("a DeepSpec DFlash baseline (markov_rank 0, no confidence head): both engines route it as "
+                        "DSpark by its architectures; that their DSpark models accept markov_rank 0 was not checked")
+
+
 def vllm_num_speculative_tokens(block_size: int) -> int:
     """vLLM's ``num_speculative_tokens`` for a drafter trained with ``block_size``.
 
@@ -55,7 +77,8 @@ def vllm_num_speculative_tokens(block_size: int) -> int:
 HYBRID_TARGET_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
-def engine_commands(draft: str, block_size: int, target=None, draft_layer_types=None, target_model_type=None) -> dict:
+def engine_commands(draft: str, block_size: int, target=None, draft_layer_types=None, target_model_type=None,
+                    dspark: bool = False) -> dict:
     """``{"vllm": command, "sglang": command}`` serving ``target`` with drafter ``draft``.
 
     Args:
@@ -67,18 +90,27 @@ def engine_commands(draft: str, block_size: int, target=None, draft_layer_types=
             (``VLLM_USE_V2_MODEL_RUNNER=1``; vLLM's DFlash model raises otherwise).
         target_model_type: the target's ``model_type``; hybrid linear-attention targets
             (``HYBRID_TARGET_TYPES``) get SGLang's ``--mamba-radix-cache-strategy extra_buffer``.
+        dspark: a DSpark drafter (module docstring): vLLM method ``"dspark"`` with ``num_speculative_tokens =
+            block_size``, SGLang ``DSPARK`` with ``--speculative-num-draft-tokens = block_size + 1``; the V2
+            model-runner switch is DFlash's and is not written for it.
 
     Raises:
-        ValueError: ``block_size < 2``.
+        ValueError: ``block_size < 2`` (DFlash) or ``< 1`` (DSpark).
     """
     target = target or TARGET_PLACEHOLDER
-    spec = {"method": "dflash", "model": draft, "num_speculative_tokens": vllm_num_speculative_tokens(block_size)}
-    kinds = set(draft_layer_types or [])
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if {"sliding_attention", "full_attention"} <= kinds else ""
+    if dspark:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"a DSpark block_size must be an integer >= 1, got {block_size!r}")
+        method, drafted, verified, algorithm, env = "dspark", block_size, block_size + 1, "DSPARK", ""
+    else:
+        method, drafted, verified, algorithm = "dflash", vllm_num_speculative_tokens(block_size), block_size, "DFLASH"
+        kinds = set(draft_layer_types or [])
+        env = "VLLM_USE_V2_MODEL_RUNNER=1 " if {"sliding_attention", "full_attention"} <= kinds else ""
+    spec = {"method": method, "model": draft, "num_speculative_tokens": drafted}
     vllm = f"{env}vllm serve {_quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
     sglang = (
-        f"python -m sglang.launch_server --model-path {_quote(target)} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path {_quote(draft)} --speculative-num-draft-tokens {block_size}"
+        f"python -m sglang.launch_server --model-path {_quote(target)} --speculative-algorithm {algorithm} "
+        f"--speculative-draft-model-path {_quote(draft)} --speculative-num-draft-tokens {verified}"
     )
     if target_model_type in HYBRID_TARGET_TYPES:
         sglang += " --mamba-radix-cache-strategy extra_buffer"
@@ -89,4 +121,4 @@ def _quote(value: str) -> str:
     return value if value == TARGET_PLACEHOLDER else shlex.quote(value)
 
 
-__all__ = ["DFLASH2_ENGINE_NOTE", "HYBRID_TARGET_TYPES", "TARGET_PLACEHOLDER", "engine_commands", "is_hub_id", "vllm_num_speculative_tokens"]
+__all__ = ["DFLASH2_ENGINE_NOTE", "DSPARK_BASELINE_NOTE", "DSPARK_ENGINE_NOTE", "HYBRID_TARGET_TYPES", "TARGET_PLACEHOLDER", "engine_commands", "is_hub_id", "vllm_num_speculative_tokens"]

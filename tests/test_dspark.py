@@ -7,6 +7,7 @@ names), shrunk to vocab 97, hidden 40, 3 layers.
 """
 
 import json
+import sys
 
 import pytest
 import torch
@@ -428,8 +429,8 @@ def test_dspark_through_automodel_custom_generate_cache_window_and_streamer(tmp_
 def test_converter_reads_a_deepspec_folder_verifies_and_writes_it(tmp_path):
     """``convert.convert_checkpoint`` on a folder in DeepSpec's layout: dialect ``deepspec``, every tensor kept
     (its own ``embed_tokens`` / ``lm_head`` included), the written folder loads through ``AutoModel`` +
-    ``trust_remote_code`` as a DSpark drafter with the same tensors and runs exactly against a target; no
-    engine command is printed for it (the engines' DSpark arguments are not checked here)."""
+    ``trust_remote_code`` as a DSpark drafter with the same tensors and runs exactly against a target; the
+    engines' DSpark commands are printed (their names: tests/test_engine_args.py)."""
     import transformers
     from convert.convert_checkpoint import convert_checkpoint
     from tiny import tiny_target
@@ -441,7 +442,8 @@ def test_converter_reads_a_deepspec_folder_verifies_and_writes_it(tmp_path):
     saved = DFlashDraftModel.from_pretrained(source)
     saved.save_pretrained(tmp_path / "again")  # save_pretrained renames the in-memory architectures
     assert proposers.proposer_for(saved) is proposers.DSparkProposer  # it still drafts as DSpark
-    assert plan.dialect == "deepspec" and not plan.dropped and "not printed for a DSpark drafter" in plan.describe()
+    assert plan.dialect == "deepspec" and not plan.dropped
+    assert '"method": "dspark"' in plan.describe() and "--speculative-algorithm DSPARK" in plan.describe()
     loaded = transformers.AutoModel.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
     assert type(loaded).__name__ == "DSparkDraftModel"
     original = _tensors()
@@ -450,3 +452,133 @@ def test_converter_reads_a_deepspec_folder_verifies_and_writes_it(tmp_path):
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     ref = target.generate(ids, max_new_tokens=16, do_sample=False)
     assert torch.equal(loaded.spec_generate(target, ids, max_new_tokens=16, temperature=0.0), ref)
+
+
+# ----------------------------------------------------------------------------- own embed_tokens / lm_head vs the target's
+
+
+@pytest.mark.parametrize("edit, named, diff", [(None, None, None),
+                                               ("embed_tokens.weight", "embed_tokens.weight", 0.75),
+                                               ("lm_head.weight", "lm_head.weight", 0.5),
+                                               ("both", "embed_tokens.weight", 0.75)])
+def test_own_copies_that_differ_from_the_targets_warn_once_naming_the_largest(tmp_path, caplog, edit, named, diff):
+    """The drafter's own copies equal to the target's: nothing said. One differing (a single entry moved by
+    ``diff``; with both edited, embed_tokens by 0.75 and lm_head by 0.5): one warning per call naming that tensor
+    and its max abs difference, and the output is still the target's (the verify uses the target's head)."""
+    import logging
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    tensors = _tensors()
+    tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
+    tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach().clone()
+    if edit in ("embed_tokens.weight", "both"):
+        tensors["embed_tokens.weight"][7, 3] += 0.75
+    if edit in ("lm_head.weight", "both"):
+        tensors["lm_head.weight"][11, 5] -= 0.5
+    draft = DFlashDraftModel.from_pretrained(_folder(tmp_path / "d", tensors=tensors)).eval()
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    with caplog.at_level(logging.WARNING):
+        out = draft.spec_generate(target, ids, max_new_tokens=6, temperature=0.0)
+    warned = [r.getMessage() for r in caplog.records if "differs from the target's" in r.getMessage()]
+    assert torch.equal(out, target.generate(ids, max_new_tokens=6, do_sample=False))
+    if named is None:
+        assert warned == [] and "DSpark" not in caplog.text
+        return
+    assert len(warned) == 1 and f"own {named} differs" in warned[0], warned
+    assert f"max abs difference {diff:.4g}" in warned[0]
+
+
+# ----------------------------------------------------------------------------- the other routes: native, pipeline, static
+
+
+def test_native_dflash_route_refuses_a_dspark_drafter_by_name(tmp_path):
+    """transformers' own DFlash loop (``speculation_type="dflash"``, 5.x) drafts slot k as ``start + k`` from the
+    target's head: with a DSpark drafter it would run (lossless, wrong drafts), so the drafter refuses it by name
+    and names the routes that run it. On 4.57 the route does not exist (``native_dflash_available``)."""
+    from modeling_dflash import native_dflash_available
+    from tiny import tiny_target
+
+    if not native_dflash_available():
+        pytest.skip("this transformers has no native DFlash candidate generator (speculation_type='dflash' is 5.x)")
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    draft, _ = _oracle_draft(tmp_path, target, prompt, 8)
+    with pytest.raises(ValueError, match=r"DSpark drafter \(Qwen3DSparkModel\) does not run on transformers' native "
+                                         r"DFlash route.*spec_generate.*custom_generate="):
+        target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=8,
+                        assistant_model=draft, speculation_type="dflash")
+
+
+def test_pipeline_with_a_dspark_assistant_runs_it_exactly_through_custom_generate(tmp_path, monkeypatch):
+    """``pipeline("text-generation", model=target, assistant_model=draft)`` with ``custom_generate=<folder>`` runs
+    the DSpark loop (the Markov oracle's drafts accepted: counted on the proposer) and returns the plain
+    pipeline's text; without a route named, transformers' own message naming ``custom_generate``."""
+    import transformers
+    from tiny import tiny_target, tiny_tokenizer
+
+    target = tiny_target(layers=4)
+    tok = tiny_tokenizer()
+    text = "w3 w14 w15 w92 w65"
+    prompt = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    oracle, _ = _oracle_draft(tmp_path, target, prompt, 12)
+    oracle.save_pretrained(tmp_path / "saved")
+    draft = transformers.AutoModel.from_pretrained(tmp_path / "saved", trust_remote_code=True).eval()
+    remote_proposers = sys.modules[type(draft).__module__.rsplit(".", 1)[0] + ".proposers"]
+    proposals = []
+    original = remote_proposers.DSparkProposer.propose
+    monkeypatch.setattr(remote_proposers.DSparkProposer, "propose",
+                        lambda self, *a: proposals.append(original(self, *a)) or proposals[-1])
+    plain = transformers.pipeline("text-generation", model=target, tokenizer=tok)(text, max_new_tokens=12,
+                                                                                   do_sample=False)
+    pipe = transformers.pipeline("text-generation", model=target, tokenizer=tok, assistant_model=draft)
+    fast = pipe(text, max_new_tokens=12, do_sample=False, custom_generate=str(tmp_path / "saved"), trust_remote_code=True)
+    assert fast == plain and proposals, "the pipeline never ran the DSpark proposer"
+    with pytest.raises(AttributeError, match="custom_generate"):
+        pipe(text, max_new_tokens=12, do_sample=False)
+
+
+def test_static_loop_with_dspark_runs_the_dynamic_loop_with_one_info_log(tmp_path, caplog, monkeypatch):
+    """``cache_implementation="static"`` with a DSpark drafter: the fixed-shape loop does not run its proposer
+    (``DSparkProposer.static_loop`` False), so the call runs the dynamic loop (static_decode never called) with
+    exactly one info log, and the tokens are the target's."""
+    import logging
+    import generation_utils
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    draft, greedy = _oracle_draft(tmp_path, target, prompt, 12)
+    monkeypatch.setattr(generation_utils, "static_decode", lambda *a, **k: pytest.fail("static loop used"))
+    with caplog.at_level(logging.INFO):
+        out = draft.spec_generate(target, prompt, max_new_tokens=12, temperature=0.0, cache_implementation="static",
+                                  return_dict_in_generate=True)
+    # The reason logged is generation_utils._static_loop's for a proposer with static_loop False (its wording
+    # names DFlash 2's selector walk today); only the one info log is asserted here.
+    logs = [r for r in caplog.records if "falls back to the dynamic loop" in r.getMessage()]
+    assert len(logs) == 1 and logs[0].levelno == logging.INFO, [r.getMessage() for r in caplog.records]
+    assert out.sequences[0].tolist() == greedy and sum(out.row_accepted_drafts[0]) >= 4
+
+
+@pytest.mark.parametrize("rank, confidence", [(R, True), (0, False)])
+def test_engine_only_conversion_writes_deepspecs_layout_unchanged(tmp_path, rank, confidence):
+    """``--engine-only`` on a DeepSpec folder (DSpark, and the DFlash baseline): the written config.json is the
+    source's byte for byte (``architectures: ["Qwen3DSparkModel"]``, top-level keys, no ``auto_map``, no
+    ``dflash_config``), the tensors are the source's (names and bits), no remote code is written, and the
+    folder still loads as a DSpark drafter; the engine commands are DSpark's (the baseline's with its note)."""
+    from safetensors.torch import load_file
+    from convert.convert_checkpoint import main as convert_main  # the command line users run
+
+    source = _folder(tmp_path / "deepspec", _config(rank=rank, confidence=confidence),
+                     _tensors(rank=rank, confidence=confidence))
+    out = tmp_path / "out"
+    assert convert_main([source, str(out), "--engine-only"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "config.json").read_bytes() == (tmp_path / "deepspec" / "config.json").read_bytes()
+    written, original = load_file(str(out / "model.safetensors")), _tensors(rank=rank, confidence=confidence)
+    assert set(written) == set(original) and all(torch.equal(written[k], original[k]) for k in original)
+    model = DFlashDraftModel.from_pretrained(str(out))
+    assert type(model) is DSparkDraftModel and (model.markov_head is None) == (rank == 0)
+    from convert.convert_checkpoint import convert_checkpoint
+    described = convert_checkpoint(source, str(tmp_path / "again"), engine_only=True, dry_run=True).describe()
+    assert "--speculative-algorithm DSPARK" in described and ("markov_rank 0" in described) == (rank == 0)

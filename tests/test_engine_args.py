@@ -50,3 +50,32 @@ def test_commands_use_only_accepted_arguments(case):
 def test_hybrid_targets_get_the_renamed_sglang_cache_flag():
     cmd = engine_commands("me/drafter", 16, "org/target", target_model_type="qwen3_5")["sglang"]
     assert "--mamba-radix-cache-strategy extra_buffer" in cmd and "--mamba-scheduler-strategy" not in cmd
+
+
+@pytest.mark.parametrize("block_size", [7, 3])
+def test_dspark_commands_use_the_engines_dspark_names_and_counts(block_size):
+    """A DSpark drafter (issue 38) drafts block_size tokens and verifies block_size + 1: vLLM's method ``"dspark"``
+    with ``num_speculative_tokens = block_size``, SGLang's ``DSPARK`` with ``--speculative-num-draft-tokens =
+    block_size + 1`` (the fixture's ``dspark_source`` entries cite the engines' files); only accepted names."""
+    cmds = engine_commands("me/drafter", block_size, "org/target", dspark=True,
+                           draft_layer_types=["sliding_attention", "full_attention"])
+    words = shlex.split(cmds["sglang"])
+    assert words[:3] == ["python", "-m", ARGS["sglang"]["module"]]
+    options = _options(words[3:])
+    assert set(options) <= set(ARGS["sglang"]["options"]) and not set(options) & set(ARGS["sglang"]["refused"])
+    assert options["--speculative-algorithm"] == "DSPARK" in ARGS["sglang"]["choices"]["--speculative-algorithm"]
+    assert ARGS["sglang"]["dspark_num_draft_tokens"] == "block_size + 1"
+    assert options["--speculative-num-draft-tokens"] == str(block_size + 1)
+    assert options["--speculative-draft-model-path"] == "me/drafter" and options["--model-path"] == "org/target"
+
+    words = shlex.split(cmds["vllm"])
+    assert words[:2] == ["vllm", "serve"]  # no DFlash V2-runner switch for DSpark
+    options = _options(words[3:])
+    assert set(options) <= set(ARGS["vllm"]["options"])
+    spec = json.loads(options["--speculative-config"])
+    assert set(spec) <= set(ARGS["vllm"]["speculative_config_keys"])
+    assert spec["method"] == "dspark" and spec["method"] in ARGS["vllm"]["methods"]
+    assert ARGS["vllm"]["dspark_num_speculative_tokens"] == "block_size"
+    assert spec["num_speculative_tokens"] == block_size and spec["model"] == "me/drafter"
+    plain = engine_commands("me/drafter", block_size, "org/target")  # the DFlash counts stay as they were
+    assert '"method": "dflash"' in plain["vllm"] and f"--speculative-num-draft-tokens {block_size}" in plain["sglang"]
