@@ -520,7 +520,7 @@ def _static_loop(static, target, input_ids, mask, run, facts, block_size=1, adap
     if reason is None and (run.history is not None or run.recorder is not None):
         reason = "prefix-dependent processors, custom stopping criteria and output_scores/logits are dynamic-only"
     if reason is None and not proposer_for(draft).static_loop:
-        reason = "a DFlash 2 drafter's candidate-selector walk is dynamic-only"
+        reason = f"the {proposer_for(draft).__name__} walk (a DFlash 2 selector, a DSpark Markov head) is dynamic-only"
     if reason is None and facts.crossing is not None:
         reason = f"crossing the longrope switch (sequence length {facts.crossing + 1}) re-prefills, which is dynamic-only"
     if reason is None:  # a full last block past a RoPE switch generate never reaches
@@ -528,7 +528,7 @@ def _static_loop(static, target, input_ids, mask, run, facts, block_size=1, adap
     if reason is None and tree:
         reason = "draft trees (tree_budget) run in the dynamic loop"
     if reason is None and adaptive:
-        reason = "adaptive_block_size=True changes the block size every step; the fixed-shape loop verifies one size"
+        reason = "adaptive_block_size=True chooses the verified width every step; the fixed-shape loop verifies one size"
     if reason is not None:
         if static[0] == "static":
             log_fallback(reason)

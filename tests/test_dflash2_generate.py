@@ -432,8 +432,8 @@ def test_streaming_statistics_plot_and_static_request(caplog):
         static = draft.spec_generate(target, prompt, max_new_tokens=NEW, temperature=0.0, cache_implementation="static")
     assert torch.equal(static, ref)
     logs = [r.getMessage() for r in caplog.records if "falls back to the dynamic loop" in r.getMessage()]
-    assert logs == ["cache_implementation='static' falls back to the dynamic loop: a DFlash 2 drafter's "
-                    "candidate-selector walk is dynamic-only"]
+    assert logs == ["cache_implementation='static' falls back to the dynamic loop: the SelectorProposer walk "
+                    "(a DFlash 2 selector, a DSpark Markov head) is dynamic-only"]
 
 
 # ----------------------------------------------------------------------------- generate() routes

@@ -284,6 +284,32 @@ def test_ragged_batch_equals_each_row_alone(tmp_path):
     assert sum(out.row_accepted_drafts[1]) >= 4  # row 1's oracle drafts walk from row 1's own anchor
 
 
+def test_confidence_threshold_cuts_each_row_of_a_ragged_batch_at_its_own_slot(tmp_path):
+    """Row 1's anchor has confidence 0.1 (cut at slot 0: no drafted position), every other token 0.9 (row 0
+    keeps its block): one verify forward, each row's proposed length its own (``Proposal.lengths``), each row
+    equal to ``generate`` alone. Planted bug caught: the batch cut at its shortest row (``lengths.min()``)."""
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    a, b = torch.tensor([[3, 14, 15, 92, 65]]), torch.tensor([[0, 0, 7, 21, 40]])
+    draft, greedy = _oracle_draft(tmp_path, target, a, 12)
+    anchor_b = target.generate(b[:, 2:], max_new_tokens=1, do_sample=False)[0, -1].item()
+    assert anchor_b != greedy[a.shape[1]]
+    weight = torch.full((1, H + V), float(torch.logit(torch.tensor(0.9))))
+    weight[0, :H] = 0
+    weight[0, H + anchor_b] = torch.logit(torch.tensor(0.1))
+    tensors = dict(draft.state_dict())
+    tensors.update({"confidence_head.proj.weight": weight, "confidence_head.proj.bias": torch.zeros(1)})
+    draft = DFlashDraftModel.from_pretrained(_folder(tmp_path / "c", _config(rank=V, confidence=True), tensors)).eval()
+    ids, mask = torch.cat([a, b]), torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              return_dict_in_generate=True, confidence_threshold=0.5)
+    assert out.row_draft_lengths[1][0] == 0 and out.row_draft_lengths[0][0] > 0, out.row_draft_lengths
+    for i, prompt in enumerate((a, b[:, 2:])):
+        alone = target.generate(prompt, max_new_tokens=12, do_sample=False)
+        assert out.sequences[i, -12:].tolist() == alone[0, -12:].tolist(), i
+
+
 # ----------------------------------------------------------------------------- sampling is the target's distribution
 
 TOP_K, N_NEW, ROWS, CALLS = 2, 4, 600, 5
