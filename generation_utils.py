@@ -31,7 +31,7 @@ try:
     from .decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
     from .decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache
     from .draft_trees import _gather_nodes, check_tree
-    from .proposers import BlockProposer, Proposal, check_confidence_threshold, proposer_for
+    from .proposers import AUTO_TREE_BUDGET, BlockProposer, Proposal, check_confidence_threshold, proposer_for
     from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
     from .generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from .generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
@@ -53,7 +53,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
     from decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache
     from draft_trees import _gather_nodes, check_tree
-    from proposers import BlockProposer, Proposal, check_confidence_threshold, proposer_for
+    from proposers import AUTO_TREE_BUDGET, BlockProposer, Proposal, check_confidence_threshold, proposer_for
     from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
     from generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
@@ -420,6 +420,9 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
                recorder=recorder)
     static_decode = _static_loop(static, target, input_ids, mask, run, facts, block_size, adaptive, draft,
                                  tree=tree_budget is not None)
+    cost = None  # the verify-length policy's StepCost, resolved before any forward of the call
+    if static_decode is None and (adaptive or tree_budget == "auto") and block_size > 1:
+        cost = _call_cost(draft, target, facts, input_ids, budget, block_size, tree_budget, draft_window, verify_cost)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py
             static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run,
@@ -428,7 +431,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
             with capture_target_features(target, draft.config.target_layer_ids, facts.draft_device) as features:
                 _decode(draft, target, input_ids, mask, block_size, mask_token_id, sampling, features, output_timings,
                         run, facts, adaptive, passed_cache, vision, draft_window, tree_budget, confidence_threshold,
-                        verify_cost)
+                        cost)
     if return_dict or passed_cache is not None:  # the cache reaches the user: no inference tensors in it
         leave_inference_mode(out.get(CACHE_FIELD))
     _trim_to_batch_end(run)  # no eos criterion: rows end where the batch's last row stopped
@@ -676,22 +679,59 @@ def _longrope_step(loop, input_ids, b: int, rows) -> int:
     return b
 
 
-def _policy(loop, draft, input_ids, block_size: int, mask_token_id: int, adaptive: bool, verify_cost, draft_window):
-    """The call's verify-length policy: ``verify_policy.FixedBlocks`` (every step the whole block), or with
-    ``adaptive`` a ``verify_policy.VerifyPolicy`` on this call's ``StepCost`` (``verify_cost``, else the
-    table of this target / drafter / device / batch / context, measured once before the first forward)."""
-    trees = loop.proposer.tree_budget if getattr(loop.proposer, "auto_trees", False) else None
-    if not (adaptive or trees) or block_size <= 1:
+def _policy(loop, block_size: int, cost):
+    """The call's verify-length policy: ``verify_policy.FixedBlocks`` (every step the whole block), or with a
+    ``cost`` (``adaptive_block_size`` / ``tree_budget="auto"``) a ``verify_policy.VerifyPolicy`` on it."""
+    if cost is None:
         return FixedBlocks(block_size)
-    budget = loop.run.stops.budget if loop.run.stops.budget is not None else 256
-    context = input_ids.shape[1] + min(budget, 512) // 2  # the typical cached length of the call's steps
-    width = block_size if trees is None else trees + 1  # verified positions at most (a tree: its nodes + anchor)
-    cost = step_cost(loop.target, draft, loop.facts, type(loop.proposer), input_ids.shape[0], context, width,
-                     mask_token_id, draft_window, verify_cost, tree_budget=trees, block=block_size)
     policy = VerifyPolicy(cost, block_size)
-    if trees is not None:
+    if getattr(loop.proposer, "auto_trees", False):
         loop.proposer.size_trees = policy.cut_trees
     return policy
+
+
+def _call_cost(draft, target, facts, input_ids, budget: int, block_size: int, tree_budget, draft_window, given):
+    """The ``verify_policy.StepCost`` of this call: ``given`` (``verify_cost``), else the table for its batch,
+    context (prompt + half the budget, at most 256 more) and widths, measured once by [`_seconds_per_step`]."""
+    trees = AUTO_TREE_BUDGET if tree_budget == "auto" else None
+    width = block_size if trees is None else trees + 1  # verified positions at most (a tree: its nodes + anchor)
+    context = input_ids.shape[1] + min(budget, 512) // 2
+    timer = functools.partial(_seconds_per_step, draft, target, facts.device, block_size, trees, draft_window)
+    return step_cost(target, draft, facts.device, facts.mask_dtype, input_ids.shape[0], context, width, timer,
+                     draft_window, given, tree_budget=trees)
+
+
+def _seconds_per_step(draft, target, device, block_size: int, trees, draft_window, width: int, batch: int,
+                      context: int) -> float:
+    """Seconds per verify step of this loop verifying ``width`` positions (fixed blocks, or trees of
+    ``width - 1`` nodes), greedy, on ``batch`` rows of ``context`` random tokens (fixed seed; special token
+    ids of the config left out; every other row left padded by 3): the time of a call of ``3 * width + 8`` new tokens less that of its
+    prefill alone, over its verify steps. The caller's generator and inputs are not touched."""
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    special = {v for k, v in vars(target.config).items() if isinstance(v, int) and k.endswith(("token_id", "token_index"))}
+    allowed = torch.tensor([t for t in range(config.vocab_size) if t not in special])
+    pick = torch.randint(len(allowed), (batch, context), generator=torch.Generator().manual_seed(0))
+    ids = allowed[pick].to(device)
+    if width == 1:
+        shape = {"block_size": 1}
+    elif trees is None:
+        shape = {"block_size": width}
+    else:
+        shape = {"block_size": block_size, "tree_budget": width - 1}
+    mask = torch.ones_like(ids)
+    if batch > 1:  # a ragged batch, as the calls it stands for: left padding, so the masked path runs throughout
+        mask[1::2, : min(3, context - 1)] = 0
+    kw = dict(attention_mask=mask, temperature=0.0, do_sample=False, low_acceptance_warning=None,
+              return_dict_in_generate=True, draft_window=draft_window, **shape)
+
+    def timed(new):
+        t0 = _sync(device)
+        out = spec_generate(draft, target, ids, max_new_tokens=new, **kw)
+        return _sync(device) - t0, out.num_target_forwards - 1
+
+    prefill, _ = timed(1)
+    seconds, steps = timed(3 * width + 8)
+    return max(seconds - prefill, 0.0) / max(steps, 1)
 
 
 def _drop_finished(rows, done: list, caches, device) -> bool:
@@ -707,7 +747,7 @@ def _drop_finished(rows, done: list, caches, device) -> bool:
 
 def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sampling, features, output_timings,
             run, facts, adaptive=False, passed_cache=None, vision=None, draft_window=None, tree_budget=None,
-            confidence_threshold=0.0, verify_cost=None):
+            confidence_threshold=0.0, cost=None):
     """The speculative loop; fills ``run.out`` / ``run.chunks`` in place. One verify step after another: the
     block size, the drafter's proposal (whatever its kind: ``proposers.py``), the target's verify forward,
     the acceptance rule, the commit, the roll-back. ``facts``: the call's ``TargetFacts``.
@@ -724,14 +764,15 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
                                    **({"confidence_threshold": confidence_threshold} if confidence_threshold else {}))
     loop = _Loop(target, facts, sampling, proposer, resume, features, run, vision,
                  offsets=torch.arange(block_size, device=device))
-    policy = _policy(loop, draft, input_ids, block_size, mask_token_id, adaptive, verify_cost, draft_window)
+    policy = _policy(loop, block_size, cost)
+    budget = run.stops.budget if run.stops.budget is not None else 1 << 40
     t0 = _sync(device) if output_timings else None
     rows, finished = _prefill(loop, input_ids, prompt_mask)
     t1 = _sync(device) if output_timings else None
     verifies, drafts_run = 0, 0  # forwards counted on the host (`out` is a ModelOutput)
 
     while not any(finished) or _drop_finished(rows, finished, loop.caches, device):
-        b = _block_size(loop, rows, policy.plan(), input_ids)  # 1: a plain step (verify_policy.py)
+        b = _block_size(loop, rows, policy.plan([budget - n for n in rows.host_new], rows.host_ids), input_ids)
         proposal = policy.cut(_propose(loop, rows, b))
         logits = _verify_forward(loop, rows, proposal)
         verifies, drafts_run = verifies + 1, drafts_run + (b > 1)

@@ -6,16 +6,17 @@ steps ([`StepCost`]) and commits, per row, ``1 + E_r(w)`` tokens on average, whe
 ``E_r(w) = sum_{k<=w} prod_{j<=k} a_rj`` and ``a_rj`` is the chance that slot ``j`` is accepted once the slots
 before it were: the drafter's own estimate where it has one (DSpark's confidence head,
 ``Proposal.acceptance``), else the draft's probability of its own token (``Proposal.token_probs``),
-scaled by how the call's verified steps compare with what was predicted (one factor per call, from the
-accept decisions only). [`VerifyPolicy`] picks the ``w`` of largest tokens per unit cost; when even the
+scaled by how each row's verified steps compare with what was predicted for it (one factor per row, from
+the accept decisions only). [`VerifyPolicy`] picks the ``w`` of largest tokens per unit cost; when even the
 last drafted step's curve does not beat a plain step (``w = 0``: one position, no draft pass), the next
 steps run plain, with a draft step every 1, 2, 4 ... 32 plain steps to re-measure (the draft's context keeps
 every committed position's features meanwhile, so drafting resumes without loss). Only what is proposed
 changes: every committed token is still the target's own (greedy) or exactly its distribution.
 
 Where the cost comes from ([`step_cost`]): the caller's ``verify_cost`` (a [`StepCost`]), else one
-measurement of the call's own target and drafter on scratch inputs at the call's batch width and context
-length (both rounded up to a power of two), made before the call's first forward and kept for the process
+measurement of the call's own loop (``spec_generate`` with fixed blocks of 1, 2, 4 ... positions, greedy,
+on random tokens from a fixed seed) at the call's batch width and context length (both rounded up to a
+power of two), made before the call's first forward and kept for the process
 and in a JSON file (``$DFLASH_HF_CACHE`` or ``$HF_HOME/dflash_hf``, file ``verify_costs.json``), so that later
 calls and later processes on the machine reuse the same table: the policy, and with it a seeded sampled
 call's tokens, then depend only on the seed. Costs are ratios to a plain step on that device, rounded to
@@ -31,21 +32,15 @@ import json
 import math
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList
 
 try:
-    from .decode_step import _Context, _Rows, _forward_target, _sync, crop_cache
     from .draft_trees import first_nodes, path_probs
-    from .target_cache import new_target_cache
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
-    from decode_step import _Context, _Rows, _forward_target, _sync, crop_cache
     from draft_trees import first_nodes, path_probs
-    from target_cache import new_target_cache
 
 PROBE_LIMIT = 32  # at most this many plain steps between two draft steps that re-measure the curve
 _STEP = 8  # costs are rounded to steps of 2 ** (1 / _STEP)
@@ -62,12 +57,13 @@ class StepCost:
             starting at 1.
         verify: the target forward's cost at each width (``verify[0] == 1.0``); linear in between, and past
             the last width.
-        draft: one draft pass (the proposer's whole proposal: draft forward and token choice).
+        draft: one draft pass (the proposer's whole proposal: draft forward and token choice), added to every
+            step that drafts; 0 in measured tables, whose ``verify`` entries above width 1 are whole drafting steps.
     """
 
     widths: tuple
     verify: tuple
-    draft: float
+    draft: float = 0.0
 
     def __post_init__(self):
         if (len(self.widths) != len(self.verify) or not self.widths or self.widths[0] != 1
@@ -106,30 +102,31 @@ def best_width(cost: StepCost, expected: list) -> tuple:
 class VerifyPolicy:
     """One call's verify-length policy (built per call; nothing kept between calls).
 
-    ``plan()`` before a step: the block to draft (``block_size``; 1: a plain step, no draft pass).
-    ``cut(proposal)`` after the draft pass: the proposal cut to the best width of its own curve.
-    ``record(accepted)`` after the verify: the accepted drafts per row ``(A,)`` (host ints), for the
-    call's calibration factor."""
+    ``plan(remaining)`` before a step (``remaining``: each row's tokens still to generate): the block to draft
+    (``block_size``; 1: a plain step, no draft pass). ``cut(proposal)`` after the draft pass: the proposal cut
+    to its best width. ``record(accepted)`` after the verify: accepted drafts per row (host ints).
+
+    A batch ends with its slowest row, and finished rows leave it: the width is chosen for the row whose
+    remaining tokens over its expected tokens per step is largest (the critical row), so a batch with one row
+    the draft cannot follow runs plain steps rather than long blocks the others barely need."""
 
     def __init__(self, cost: StepCost, block_size: int):
         self.cost, self.block = cost, block_size
-        self.curve = None  # last drafted step's expected accepted drafts per row, per width
+        self.effective = None  # last drafted step's expected tokens curve of the critical row (scaled), per width
         self.plain, self.wait = 0, 1  # plain steps since the last draft step; plain steps before the next probe
-        self.predicted, self.observed = 1.0, 1.0  # sums over verified steps (a prior of one each)
-        self.chosen = None  # this step's predicted mean accepted drafts per row, for record()
+        self.predicted, self.observed = {}, {}  # per row id: sums over verified steps (a prior of one each)
+        self.chosen = None  # this step's (predicted accepted drafts per row, width), for record()
+        self.remaining, self.ids = None, None
 
-    @property
-    def scale(self) -> float:
-        return min(4.0, max(0.25, self.observed / self.predicted))
+    def scale(self, row) -> float:
+        """Row ``row``'s calibration: accepted drafts over predicted ones so far (both with a prior of 1)."""
+        return min(4.0, max(0.25, (1 + self.observed.get(row, 0.0)) / (1 + self.predicted.get(row, 0.0))))
 
-    def _expected(self, curve: list, trees: bool = False) -> list:
-        cap = self.block - 1 if trees else None  # a tree accepts at most its depth, a chain its length
-        return [min(cap or k, k, self.scale * e) for k, e in enumerate(curve, start=1)]
-
-    def plan(self) -> int:
+    def plan(self, remaining: Optional[list] = None, ids: Optional[list] = None) -> int:
+        self.remaining, self.ids = remaining, ids
         if best_width(self.cost, list(range(1, self.block)))[0] == 0:  # not even a fully accepted block pays
             return 1
-        if self.curve is None or best_width(self.cost, self._expected(self.curve))[0] > 0:
+        if self.effective is None or best_width(self.cost, self.effective)[0] > 0:
             self.plain, self.wait = 0, 1
             return self.block
         self.plain += 1
@@ -138,32 +135,47 @@ class VerifyPolicy:
             return self.block
         return 1
 
+    def _choose(self, rows: list, cap: int) -> int:
+        """Best width from per-row curves ``rows[r][k - 1]`` (expected accepted drafts at width ``k``)."""
+        n = max(len(r) for r in rows)
+        rows = [r + r[-1:] * (n - len(r)) if r else [0.0] * n for r in rows]
+        remaining = self.remaining if self.remaining and len(self.remaining) == len(rows) else [1] * len(rows)
+        ids = self.ids if self.ids and len(self.ids) == len(rows) else list(range(len(rows)))
+        top, scales = max(remaining), [self.scale(i) for i in ids]
+        self.effective = [min((1 + min(cap or k, k, s * r[k - 1])) * top / max(left, 1)
+                              for r, left, s in zip(rows, remaining, scales)) - 1 for k in range(1, n + 1)]
+        width = max(1, best_width(self.cost, self.effective)[0])
+        self.chosen = ([r[width - 1] for r in rows], width, ids)
+        return width
+
     def cut(self, proposal):
         """``proposal`` (``proposers.Proposal``, a chain) cut to its best width (at least one drafted position:
-        the draft pass is paid), with the curve kept for the next ``plan``. One host transfer of ``(n,)``."""
+        the draft pass is paid). One host transfer of ``(A, n)``."""
         probs = proposal.acceptance if proposal.acceptance is not None else proposal.token_probs  # (A, n)
         if probs.shape[1] == 0 or proposal.tree is not None:  # a tree was cut before it was built: cut_trees
             return proposal
-        self.curve = probs.float().clamp(0, 1).cumprod(dim=1).mean(dim=0).cumsum(dim=0).tolist()  # (n,)
-        expected = self._expected(self.curve)
-        width = max(1, best_width(self.cost, expected)[0])
-        self.chosen = (self.curve[width - 1], width)
-        return proposal.cut(width)
+        rows = probs.float().clamp(0, 1).cumprod(dim=1).cumsum(dim=1).tolist()  # (A, n) expected accepted
+        return proposal.cut(self._choose(rows, None))
 
     def cut_trees(self, trees: list) -> list:
         """Best-first trees (``draft_trees.HostTree``, one per row) cut to the node count of most tokens per
         unit cost: a tree's expected accepted depth is the sum of its nodes' path probabilities."""
-        n = max(t.size for t in trees)
-        rows = [path_probs(t) for t in trees]
-        self.curve = [sum(sum(p[:k]) for p in rows) / len(rows) for k in range(1, n + 1)]
-        width = max(1, best_width(self.cost, self._expected(self.curve, trees=True))[0])
-        self.chosen = (self.curve[width - 1], width)
+        rows = []
+        for t in trees:
+            acc, total = [], 0.0
+            for p in path_probs(t):
+                total += p
+                acc.append(total)
+            rows.append(acc)
+        width = self._choose(rows, self.block - 1)
         return [first_nodes(t, width) for t in trees]
 
     def record(self, accepted: list) -> None:
         if self.chosen is not None:
-            self.predicted += self.chosen[0]
-            self.observed += sum(min(a, self.chosen[1]) for a in accepted) / max(len(accepted), 1)
+            predicted, width, ids = self.chosen
+            for i, p, a in zip(ids, predicted, accepted):
+                self.predicted[i] = self.predicted.get(i, 0.0) + p
+                self.observed[i] = self.observed.get(i, 0.0) + min(a, width)
             self.chosen = None
 
 
@@ -173,7 +185,7 @@ class FixedBlocks:
     def __init__(self, block_size: int):
         self.block = block_size
 
-    def plan(self) -> int:
+    def plan(self, remaining=None, ids=None) -> int:
         return self.block
 
     def cut(self, proposal):
@@ -234,27 +246,26 @@ def _save(key: str, cost: StepCost) -> None:
         pass
 
 
-def step_cost(target, draft, facts, proposer_cls, batch: int, context: int, width: int, mask_token_id: int,
-              draft_window=None, given: Optional[StepCost] = None, tree_budget=None, block: Optional[int] = None) -> StepCost:
+def step_cost(target, draft, device, dtype, batch: int, context: int, width: int, seconds_per_step,
+              draft_window=None, given: Optional[StepCost] = None, tree_budget=None) -> StepCost:
     """The [`StepCost`] of this call: ``given`` (``spec_generate``'s ``verify_cost``), else the table of this
-    target, drafter, device, dtype, CPU threads, batch and context buckets and verify width, from this
-    process, else from the cost file, else measured now ([`measure`]) and kept in both.
+    target, drafter, device, dtype, CPU threads, batch and context buckets (powers of two), verify width,
+    draft window and tree budget: from this process, else from the cost file, else measured now
+    ([`measure`] with ``seconds_per_step(width, batch, context)``) and kept in both.
 
     Raises TypeError when ``given`` is neither None nor a ``StepCost``."""
     if given is not None:
         if not isinstance(given, StepCost):
             raise TypeError(f"verify_cost must be a verify_policy.StepCost, got {type(given).__name__}")
         return given
-    dtype = facts.mask_dtype
     batch, context = _bucket(batch), _bucket(max(context, 16))
-    key = _key(target, draft, facts.device, dtype, batch, context, width, draft_window) + f"/tree{tree_budget}"
+    key = _key(target, draft, device, dtype, batch, context, width, draft_window) + f"/tree{tree_budget}"
     if key not in _TABLES:
         stored = _load_file().get(key)
         if stored is not None:
             _TABLES[key] = StepCost(tuple(stored["widths"]), tuple(stored["verify"]), stored["draft"])
         else:
-            _TABLES[key] = measure(target, draft, facts, proposer_cls, batch, context, width, mask_token_id,
-                                   draft_window, tree_budget=tree_budget, block=block)
+            _TABLES[key] = measure(lambda w: seconds_per_step(w, batch, context), width)
             _save(key, _TABLES[key])
     return _TABLES[key]
 
@@ -268,79 +279,18 @@ def _widths(width: int) -> tuple:
     return tuple(sorted(points))
 
 
-def measure(target, draft, facts, proposer_cls, batch: int, context: int, width: int, mask_token_id: int,
-            draft_window=None, repeats: int = 3, tree_budget=None, block: Optional[int] = None) -> StepCost:
-    """Time, on scratch inputs (random tokens from a fixed seed, zero features; the caller's generator is not
-    touched), the target's forward over ``context`` cached tokens at each width of ``_widths(width)`` and one
-    proposal of a ``block`` block (default ``width``; a tree of ``tree_budget`` nodes when given) by
-    ``proposer_cls``, at ``batch`` rows; the fastest of ``repeats`` each,
-    as ratios to the width-1 forward, rounded. Runs once per table ([`step_cost`])."""
-    # local import: speculative_sampling imports nothing from here, the proposers import this module's siblings
-    try:
-        from .speculative_sampling import _Sampling
-    except ImportError:
-        from speculative_sampling import _Sampling
-    device = facts.device
-    vocab = facts.head.weight.shape[0] if hasattr(facts.head, "weight") else target.config.get_text_config().vocab_size
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(vocab, (batch, context + width), generator=gen).to(device)
-    positions = torch.arange(context + width, device=device)[None].expand(batch, -1)
-    cache = new_target_cache(target)
-    with torch.inference_mode():
-        _forward_target(target, facts, cache, ids[:, :context], positions[:, :context], None, record=False)
-
-        def verify(n):
-            _forward_target(target, facts, cache, ids[:, context:context + n], positions[:, context:context + n], None)
-            crop_cache(cache, context)
-
-        widths = _widths(width)
-        times = [_fastest(lambda n=n: verify(n), repeats, device) for n in widths]
-        draft_time = _proposal_time(draft, facts, proposer_cls, _Sampling(LogitsProcessorList(), False, None),
-                                    batch, context, block or width, mask_token_id, draft_window, repeats, device,
-                                    tree_budget)
-    base = times[0]
-    verify_costs = [1.0] + [max(1.0, _rounded(t / base)) for t in times[1:]]
-    for i in range(1, len(verify_costs)):  # never cheaper to verify more
-        verify_costs[i] = max(verify_costs[i], verify_costs[i - 1])
-    return StepCost(widths, tuple(verify_costs), _rounded(draft_time / base))
-
-
-def _fastest(fn, repeats: int, device) -> float:
-    fn()  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        t0 = _sync(device)
-        fn()
-        best = min(best, _sync(device) - t0)
-    return max(best, 1e-9)
-
-
-def _proposal_time(draft, facts, proposer_cls, sampling, batch, context, width, mask_token_id, window, repeats,
-                   device, tree_budget=None) -> float:
-    """Seconds of one proposal of a ``width`` block over a draft context of ``context`` positions, of which
-    the last 4 are new (as after a verify step)."""
-    fc = draft.fc.weight
-    draft_cache = DynamicCache()
-    proposer = proposer_cls(draft, facts, draft_cache, sampling, mask_token_id, window,
-                            **({} if tree_budget is None else {"tree_budget": tree_budget}))
-    anchor = torch.zeros(batch, 1, dtype=torch.long, device=device)
-
-    def rows(start, new):
-        ctx = _Context(fc.new_zeros(batch, new, fc.shape[1]),
-                       (start - new + torch.arange(new, device=device))[None].expand(batch, -1), None)
-        return _Rows(ids=torch.arange(batch, device=device), anchor=anchor,
-                     start=torch.full((batch,), start, device=device), n_new=torch.ones(batch, dtype=torch.long,
-                     device=device), target_valid=None, draft_valid=None, ctx=ctx, host_ids=list(range(batch)),
-                     host_new=[1] * batch, holes=False, masked=False)
-
-    def propose():
-        crop_cache(draft_cache, context - 4)
-        r = rows(context, 4)
-        proposer.propose(r, width, r.start[:, None] + torch.arange(width, device=device))
-
-    proposer.propose(rows(context - 4, context - 4), width,
-                     (context - 4 + torch.arange(width, device=device))[None].expand(batch, -1))  # fills the context
-    return _fastest(propose, repeats, device)
+def measure(seconds_per_step, width: int) -> StepCost:
+    """A [`StepCost`] from ``seconds_per_step(w)``, the time of one whole step of the call's own loop verifying
+    ``w`` positions (``w = 1``: a plain step; above, the draft pass, the verify forward and the bookkeeping
+    together, so ``draft`` is 0), at each width of ``_widths(width)``: ratios to the plain step, rounded to
+    steps of 2^(1/8), never decreasing with the width. Runs once per table ([`step_cost`])."""
+    widths = _widths(width)
+    seconds_per_step(min(2, width))  # warm-up
+    times = [max(seconds_per_step(w), 1e-9) for w in widths]
+    costs = [1.0] + [max(1.0, _rounded(t / times[0])) for t in times[1:]]
+    for i in range(1, len(costs)):
+        costs[i] = max(costs[i], costs[i - 1])
+    return StepCost(widths, tuple(costs), 0.0)
 
 
 __all__ = ["FixedBlocks", "PROBE_LIMIT", "StepCost", "VerifyPolicy", "best_width", "cost_file", "measure", "step_cost"]

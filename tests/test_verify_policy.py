@@ -140,7 +140,8 @@ def _proposal(probs):
 def test_the_cut_follows_the_planted_probabilities():
     """With a verified position at 0.25 of a plain step and a draft pass at 0.3: four near-certain slots
     then near-zero ones are cut after the fourth; a curve that halves from the first slot is cut early;
-    the confidence head's estimates (``acceptance``) win over ``token_probs``; a batch takes its rows' mean.
+    the confidence head's estimates (``acceptance``) win over ``token_probs``; a batch takes its critical row
+    (most remaining tokens per expected token).
     Independent check: the rate written here for every width."""
     cost = MIDDLE
 
@@ -157,9 +158,13 @@ def test_the_cut_follows_the_planted_probabilities():
     p = _proposal([[0.01] * 7])
     p.acceptance = torch.tensor([[0.99] * 6 + [0.01]])
     assert verify_policy.VerifyPolicy(cost, 8).cut(p).tokens.shape[1] == 6
-    mixed = [[0.99] * 7, [0.01] * 7]
+    mixed = [[0.99] * 7, [0.6] * 7]  # equal remaining tokens: the width is the critical (slower) row's
     assert verify_policy.VerifyPolicy(cost, 8).cut(_proposal(mixed)).tokens.shape[1] == best(
-        torch.tensor(mixed).cumprod(1).mean(0).cumsum(0).tolist())
+        torch.tensor(mixed[1]).cumprod(0).cumsum(0).tolist()) < 7
+    policy = verify_policy.VerifyPolicy(cost, 8)
+    policy.plan([10, 40])  # row 0 nearly done: row 1 (40 tokens left) is the critical one even at 0.99
+    mixed = [[0.6] * 7, [0.99] * 7]
+    assert policy.cut(_proposal(mixed)).tokens.shape[1] == 7
 
 
 def test_a_policy_that_stops_drafting_probes_again_and_resumes():
