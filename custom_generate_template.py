@@ -14,9 +14,11 @@ generate()'s arguments but not the repo it was loaded from, so the loaded drafte
 def generate(model, assistant_model=None, **generate_arguments):
     """``model``: the target causal LM; ``assistant_model``: the loaded DFlash drafter."""
     if not hasattr(assistant_model, "spec_generate_from_generate_arguments"):
+        what = "no assistant_model" if assistant_model is None else f"assistant_model={type(assistant_model).__name__}"
         raise ValueError(
-            "custom_generate with a DFlash drafter needs the loaded drafter as assistant_model=: "
-            "draft = AutoModel.from_pretrained(<drafter repo or folder>, trust_remote_code=True), then "
-            f"generate(..., assistant_model=draft); got assistant_model={type(assistant_model).__name__}"
+            f"custom_generate with a DFlash drafter needs the loaded drafter as assistant_model=, got {what}"
+            + ("" if assistant_model is None else ": this is not a DFlash drafter: load it with trust_remote_code=True")
+            + " (draft = AutoModel.from_pretrained(<drafter repo or folder>, trust_remote_code=True), then "
+            "generate(..., assistant_model=draft))"
         )
     return assistant_model.spec_generate_from_generate_arguments(model, **generate_arguments)

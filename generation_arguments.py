@@ -156,6 +156,22 @@ def check_vocab(draft_vocab: int, target_vocab: int) -> None:
             f"input embedding has {target_vocab} rows: this draft was trained for a target with another tokenizer")
 
 
+NOT_A_DRAFTER = "this is not a DFlash drafter: load it with trust_remote_code=True"
+
+
+def check_is_drafter(draft) -> None:
+    """Refuse a model that is not one of this package's drafters where a drafter belongs: typically the
+    plain ``Qwen3Model`` that ``AutoModel.from_pretrained(drafter_folder)`` builds without
+    ``trust_remote_code=True`` (it loads with ``fc`` / ``hidden_norm`` unexpected and then cannot draft).
+
+    Raises:
+        ValueError: ``draft`` has no drafter class (no ``spec_generate``), naming its class and [`NOT_A_DRAFTER`].
+    """
+    if not callable(getattr(type(draft), "spec_generate_from_generate_arguments", None)):
+        raise ValueError(f"got a {type(draft).__name__} where the DFlash drafter belongs: {NOT_A_DRAFTER} "
+                         "(AutoModel.from_pretrained(<drafter folder or repo>, trust_remote_code=True))")
+
+
 def check_pairing(draft, target):
     """Raise ValueError unless ``draft`` was built for ``target`` (hidden size, layers, vocab). A DSpark drafter
     whose own ``embed_tokens`` / ``lm_head`` differ from the target's is accepted with one warning naming the

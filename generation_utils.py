@@ -32,7 +32,8 @@ try:
     from .decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache
     from .draft_trees import _gather_nodes, check_tree
     from .proposers import AUTO_TREE_BUDGET, BlockProposer, Proposal, check_confidence_threshold, proposer_for
-    from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
+    from .generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_is_drafter
+    from .generation_arguments import check_pairing
     from .generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from .generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from .generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
@@ -54,7 +55,8 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from decode_step import _prefill_commit, _sync, _trim_to_batch_end, compact_cache, crop_cache
     from draft_trees import _gather_nodes, check_tree
     from proposers import AUTO_TREE_BUDGET, BlockProposer, Proposal, check_confidence_threshold, proposer_for
-    from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_pairing
+    from generation_arguments import APPLIED_KEYS, NO_EFFECT_KEYS, NOT_PASSED, REFUSED_KEYS, check_is_drafter
+    from generation_arguments import check_pairing
     from generation_arguments import _call_options, check_draft_window, check_token_prompt, check_vocab
     from generation_arguments import _check_int, _check_is_causal_lm, _check_refused, _eos_list, _generate_kwargs
     from generation_arguments import _prepare_inputs, _stop_strings, _warn_unmasked_left_padding
@@ -298,7 +300,8 @@ def spec_generate(
 
     Raises:
         TypeError: a keyword that is neither a ``GenerationConfig`` field nor an argument here.
-        ValueError: bad input (ids or none, ``inputs_embeds``, mask, non-integer ``block_size``/``max_new_tokens``, sampling
+        ValueError: a ``draft`` that is no DFlash drafter (a plain ``Qwen3Model`` loaded without
+            ``trust_remote_code=True``); bad input (ids or none, ``inputs_embeds``, mask, non-integer ``block_size``/``max_new_tokens``, sampling
             values out of range, a logits processor that cannot be copied) or a draft not built for this
             target (another vocabulary size included, naming both), before any forward pass; a passed
             cache with a batch, a padded prompt, as many tokens as ``input_ids``, or the static loop.
@@ -313,6 +316,7 @@ def spec_generate(
             inputs with the static loop, a passed cache or a longrope re-prefill, for Mllama, or for an
             M-RoPE target without ``get_rope_index`` (``target_families.vision_prompt``).
     """
+    check_is_drafter(draft)
     check_token_prompt(input_ids, kwargs)
     _check_is_causal_lm(target)
     facts = TargetFacts.read(target, draft)  # what the loop needs to know about the target, read once
@@ -816,6 +820,7 @@ def spec_generate_from_generate_arguments(draft, target, **arguments):
     Raises:
         ValueError: ``inputs`` and ``input_ids`` both given; whatever ``spec_generate`` raises.
     """
+    check_is_drafter(draft)
     params = inspect.signature(spec_generate).parameters
     inputs = arguments.pop("inputs", None)
     if inputs is not None:

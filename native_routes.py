@@ -10,11 +10,11 @@ import sys
 
 try:
     from .custom_generate_template import generate as _custom_generate_entry
-    from .generation_arguments import check_vocab
+    from .generation_arguments import check_is_drafter, check_vocab
     from .generation_output import DFlashGenerateOutput
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from custom_generate_template import generate as _custom_generate_entry
-    from generation_arguments import check_vocab
+    from generation_arguments import check_is_drafter, check_vocab
     from generation_output import DFlashGenerateOutput
 
 
@@ -89,8 +89,10 @@ def native_acceptance_stats(draft, target=None):
     (None without ``target``) and ``block_size``, ready for ``plot_acceptance``.
 
     Raises:
-        ValueError: from ``result``, for a batch of more than one row (the native path is batch 1).
+        ValueError: ``draft`` is no DFlash drafter (``generation_arguments.check_is_drafter``); from
+            ``result``, for a batch of more than one row (the native path is batch 1).
     """
+    check_is_drafter(draft)
     contexts, block, target_calls = [], [], [0]
 
     def draft_hook(module, args, kwargs):

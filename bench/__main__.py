@@ -1,5 +1,6 @@
+"""``python -m bench``: Ctrl-C and usage errors answer from the first instruction, before torch loads."""
 import sys
 
-from .cli import main
+from convert.cli import launch
 
-sys.exit(main())
+sys.exit(launch("bench.cli"))

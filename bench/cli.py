@@ -233,7 +233,10 @@ def run(args) -> dict:
         records = load_prompts(args, tok)
     except (OSError, ConnectionError, ValueError) as err:  # unreadable file, bad record, or the Hub cannot be reached
         raise CommandError(f"cannot load the prompts ({args.dataset or args.prompts}): {str(err).splitlines()[0]}") from err
-    texts = [render(tok, r["turns"], args.chat_template, args.enable_thinking) for r in records]
+    try:
+        texts = [render(tok, r["turns"], args.chat_template, args.enable_thinking) for r in records]
+    except ValueError as err:  # --chat-template with a tokenizer that has none
+        raise CommandError(str(err).splitlines()[0]) from err
     prompts = [torch.tensor([encode(tok, t)], device=device) for t in texts]
     cons = build_contenders(args, target, draft, device, dtype)
     greedy = not args.temperature

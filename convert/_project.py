@@ -6,10 +6,12 @@ checkpoint (the modeling file and its relative imports) and that ``auto_map`` po
 
 try:  # run from the repository root: `python -m convert.convert_checkpoint ...`
     from configuration_dflash import DFlashConfig
+    from generation_arguments import NOT_A_DRAFTER
     from generation_utils import capture_target_features, spec_generate
     from modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 except ImportError:  # installed with `pip install .` (the flat Hub files live in the `dflash_hf` package)
     from dflash_hf.configuration_dflash import DFlashConfig
+    from dflash_hf.generation_arguments import NOT_A_DRAFTER
     from dflash_hf.generation_utils import capture_target_features, spec_generate
     from dflash_hf.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 
@@ -17,4 +19,4 @@ from .sources import REMOTE_CODE_FILES  # defined in the light module, so that `
 # Also written by ``save_pretrained``: the Hub ``custom_generate`` entry (``generate(custom_generate=...)``).
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 
-__all__ = ["CUSTOM_GENERATE_FILE", "DFlash2DraftModel", "DFlashConfig", "DFlashDraftModel", "REMOTE_CODE_FILES", "capture_target_features", "spec_generate"]
+__all__ = ["CUSTOM_GENERATE_FILE", "DFlash2DraftModel", "DFlashConfig", "DFlashDraftModel", "NOT_A_DRAFTER", "REMOTE_CODE_FILES", "capture_target_features", "spec_generate"]

@@ -6,17 +6,23 @@ time, so a command's ``--help`` answers before the heavy imports.
 
 Only EXPECTED failures become one line on stderr (exit status 1): [`CommandError`] and its subclasses,
 file-system errors (``OSError``: missing file, permission, output exists, a model folder or id that
-transformers cannot resolve) and huggingface_hub errors (unknown repo, gated repo, offline).
+transformers cannot resolve), huggingface_hub errors (unknown repo, gated repo, offline) and the
+``ValueError`` of an argument ``spec_generate`` refuses (raised by the package's own code, under a
+``spec_generate`` call: ``--block-size 32`` for a drafter trained with 16).
 Anything else is a bug and keeps its full traceback; ``--debug`` shows the traceback of expected
 failures too.
 """
 
 import argparse
+import importlib
+import os
 import sys
 
 from .errors import CommandError
+from .sources import REMOTE_CODE_FILES
 
-__all__ = ["CommandError", "add_debug_flag", "expected_failure", "hub_error_message", "quiet_loading", "run_command"]
+__all__ = ["CommandError", "add_debug_flag", "expected_failure", "hub_error_message", "launch", "quiet_loading",
+           "run_command"]
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -68,9 +74,24 @@ def _network_error(err: BaseException) -> bool:
         c.__module__.split(".")[0].startswith("httpx") and c.__name__ == "TransportError" for c in type(err).__mro__)
 
 
+def refused_by_spec_generate(err: BaseException) -> bool:
+    """True when ``err`` is a ``ValueError`` that the package's own code raised inside a ``spec_generate``
+    call (an argument it refuses, a drafter that does not fit the target), not one from torch or
+    transformers (a bug, which keeps its traceback). Read from the traceback: the innermost frame lies in
+    one of the package's code files (``REMOTE_CODE_FILES``, wherever transformers copied them)."""
+    if not isinstance(err, ValueError) or err.__traceback__ is None:
+        return False
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    return (os.path.basename(frames[-1].co_filename) in REMOTE_CODE_FILES
+            and any(code.co_name.startswith("spec_generate") for code in frames))
+
+
 def expected_failure(err: BaseException):
     """The one-line message of an expected failure, or None when ``err`` is a bug (keep its traceback)."""
-    if isinstance(err, CommandError):
+    if isinstance(err, CommandError) or refused_by_spec_generate(err):
         return _first_line(err)
     message = hub_error_message(err, "the Hub repo")
     if message is not None:
@@ -98,8 +119,7 @@ def run_command(command, args) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print("interrupted", file=sys.stderr)
-        return 130
+        return interrupted()
     except Exception as err:  # noqa: BLE001 - re-raised unless it is an expected failure
         message = expected_failure(err)
         if message is None or debug:
@@ -107,3 +127,31 @@ def run_command(command, args) -> int:
         more = len(str(err).strip().splitlines()) > 1
         print(f"error: {message}" + (" (--debug shows the details)" if more else ""), file=sys.stderr)
         return 1
+
+
+def interrupted() -> int:
+    """Say ``interrupted`` on stderr; the exit status of Ctrl-C (130)."""
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
+def main_of(module: str):
+    """The ``main`` function of ``module``, imported (the heavy imports of a command happen here)."""
+    return importlib.import_module(module).main
+
+
+def launch(module: str, argv=None, parser=None) -> int:
+    """Run ``module``'s ``main(argv)`` from a light ``__main__``, Ctrl-C safe from the first instruction.
+
+    ``parser()`` (when given) parses ``argv`` first, so that ``--help`` and usage errors (exit 2) answer
+    before the heavy imports; then ``module`` is imported (torch, transformers: seconds) and its ``main``
+    runs, which handles its own failures (see [`run_command`]). A Ctrl-C during the import or the
+    parsing prints ``interrupted`` and returns 130 instead of a traceback through the import machinery.
+    """
+    try:
+        if parser is not None:
+            parser().parse_args(argv)
+        main = main_of(module)
+    except KeyboardInterrupt:
+        return interrupted()
+    return main(argv)

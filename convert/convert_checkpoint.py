@@ -28,7 +28,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from .cli import add_debug_flag, quiet_loading, run_command
+from .cli import add_debug_flag, launch, quiet_loading, run_command
 
 # ----------------------------------------------------------------------------- command line (first, so that
 # `--help` and flag errors answer before torch and transformers are imported)
@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     return add_debug_flag(parser)
 
 
-if __name__ == "__main__":  # answer --help and flag errors before the heavy imports below (torch, transformers)
-    build_parser().parse_args()
+if __name__ == "__main__":  # --help, flag errors and an early Ctrl-C answer before the heavy imports below
+    sys.exit(launch("convert.convert_checkpoint", parser=build_parser))
 
 import torch  # noqa: E402
 
@@ -500,6 +500,26 @@ def plan_conversion(source: str, source_dir: str, output: str, allow_pickle=Fals
     return plan
 
 
+def _check_roles(source: str, source_dir: str, verify_target) -> None:
+    """Refuse a target model as the source and a drafter folder as ``--verify-target`` (the two swapped:
+    the message says which folder is the drafter), before any weight is read.
+
+    Raises:
+        ConversionError: naming the folder and what it is.
+    """
+    from .loading import config_role
+
+    target_role = config_role(sources.read_config(verify_target)) if isinstance(verify_target, str) and os.path.isdir(
+        verify_target) else None
+    if config_role(sources.read_config(source_dir)) == "target":
+        swap = (f"; --verify-target {verify_target} is the drafter: swap them (convert {verify_target} ... "
+                f"--verify-target {source})") if target_role == "drafter" else ""
+        raise ConversionError(f"source {source}: a target model (a causal LM), not a DFlash drafter{swap}")
+    if target_role == "drafter":
+        raise ConversionError(f"--verify-target {verify_target}: a DFlash drafter folder; pass the target model the "
+                              "drafter was trained for")
+
+
 def convert_checkpoint(
     source: str,
     output: str,
@@ -548,6 +568,7 @@ def convert_checkpoint(
 
         verify_target = locate_model(verify_target, "--verify-target")
     source_dir = sources.resolve_source(source, revision, allow_pickle, token)
+    _check_roles(source, source_dir, verify_target)
     _check_not_nested(source_dir, output)
     plan = plan_conversion(source, source_dir, output, allow_pickle, engine_only, target_id, target_revision)
     if dry_run:
@@ -584,6 +605,3 @@ def _run(args) -> int:
     print(plan.describe())
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

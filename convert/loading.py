@@ -13,7 +13,10 @@ import os
 from .errors import CommandError
 from .paths import locate_model
 
-__all__ = ["check_pair", "load_pair", "parse_device"]
+__all__ = ["check_pair", "check_roles", "config_role", "load_pair", "parse_device"]
+
+# The architectures a drafter's config.json names (configuration_dflash's lists, kept here light: no torch).
+_DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel")
 
 
 def parse_device(name: str, flag: str = "--device"):
@@ -48,6 +51,37 @@ def _config(path: str, flag: str) -> dict:
         return json.loads(open(file, encoding="utf-8").read())
     except ValueError as err:
         raise CommandError(f"{flag} {path}: config.json is not valid JSON ({err})") from None
+
+
+def config_role(config: dict):
+    """``"drafter"``, ``"target"`` or None (not known) for a parsed ``config.json``: a drafter names a DFlash
+    architecture or carries ``dflash_config`` / ``target_layer_ids``; a target names a ``*ForCausalLM`` or
+    ``*ForConditionalGeneration`` architecture and none of those."""
+    architectures = config.get("architectures") or []
+    if any(a in _DRAFTER_ARCHITECTURES for a in architectures) or "dflash_config" in config or "target_layer_ids" in config:
+        return "drafter"
+    if any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
+        return "target"
+    return None
+
+
+def check_roles(target_path: str, draft_path: str, target_flag: str = "--target", draft_flag: str = "--draft") -> None:
+    """Refuse a drafter folder where the target belongs, a target where the drafter belongs, and the two
+    swapped, saying which folder is the drafter (local folders only; a Hub id is read by transformers).
+
+    Raises:
+        CommandError: one line naming the flag, the folder and what it is.
+    """
+    target_role = config_role(_config(target_path, target_flag))
+    draft_role = config_role(_config(draft_path, draft_flag))
+    if target_role == "drafter" and draft_role == "target":
+        raise CommandError(f"{target_flag} {target_path} is the DFlash drafter and {draft_flag} {draft_path} is a target "
+                           f"model: swap them ({target_flag} {draft_path} {draft_flag} {target_path})")
+    if target_role == "drafter":
+        raise CommandError(f"{target_flag} {target_path}: a DFlash drafter folder; pass the target model (e.g. pair/target)")
+    if draft_role == "target":
+        raise CommandError(f"{draft_flag} {draft_path}: a target model (a causal LM), not a DFlash drafter; pass the "
+                           "drafter folder (e.g. pair/drafter)")
 
 
 def _load(what: str, flag: str, path: str, load):
@@ -117,6 +151,7 @@ def load_pair(target_path: str, draft_path: str, device, dtype, target_flag: str
 
     target_path = locate_model(target_path, target_flag)
     draft_path = locate_model(draft_path, draft_flag)
+    check_roles(target_path, draft_path, target_flag, draft_flag)
     draft_config = _config(draft_path, draft_flag)
     if draft_config and not (draft_config.get("auto_map") or {}).get("AutoModel"):
         raise CommandError(f"{draft_flag} {draft_path}: its config.json has no auto_map (an --engine-only or SpecForge "
@@ -127,17 +162,17 @@ def load_pair(target_path: str, draft_path: str, device, dtype, target_flag: str
         raise CommandError(f"{draft_flag} {draft_path}: {unlinked[0]} holds the text {unlinked[1]!r}, not the code it "
                            "links to: this checkout has no symlinks; run `git config core.symlinks true` and "
                            "`git checkout -- pair/drafter` (on Windows, enable Developer Mode first)")
-    if "DFlashDraftModel" in _config(target_path, target_flag).get("architectures", []):
-        raise CommandError(f"{target_flag} {target_path}: a DFlash drafter folder; pass the target model (e.g. pair/target)")
     tok = _load("target", target_flag, target_path, lambda: AutoTokenizer.from_pretrained(target_path))
     target = _load("target", target_flag, target_path,
                    lambda: AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval())
     draft = _load("drafter", draft_flag, draft_path, lambda: AutoModel.from_pretrained(
         draft_path, trust_remote_code=True, dtype=dtype).to(device).eval())
     if not hasattr(draft, "spec_generate"):
-        raise CommandError(f"{draft_flag} {draft_path}: AutoModel reads it as a plain {type(draft).__name__}, not a DFlash "
-                           "drafter (an --engine-only folder has no remote code); pass the folder convert_checkpoint "
-                           "wrote without --engine-only")
+        from ._project import NOT_A_DRAFTER
+
+        raise CommandError(f"{draft_flag} {draft_path}: AutoModel reads it as a plain {type(draft).__name__}: "
+                           f"{NOT_A_DRAFTER} (an --engine-only folder has no remote code); pass the folder "
+                           "convert_checkpoint wrote without --engine-only")
     if not hasattr(target, "get_output_embeddings") or target.get_output_embeddings() is None:
         raise CommandError(f"{target_flag} {target_path}: not a causal LM with an output head")
     if check:
