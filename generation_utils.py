@@ -48,7 +48,7 @@ try:
     from .target_families import FAMILY as _families
     from .target_taps import capture_target_features
     from .user_processors import check_copyable, is_user_processor
-    from .verify_policy import FixedBlocks, VerifyPolicy, step_cost
+    from .verify_policy import call_cost, policy_for
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
@@ -71,7 +71,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from target_families import FAMILY as _families
     from target_taps import capture_target_features
     from user_processors import check_copyable, is_user_processor
-    from verify_policy import FixedBlocks, VerifyPolicy, step_cost
+    from verify_policy import call_cost, policy_for
 
 logger = logging.get_logger(__name__)
 
@@ -426,7 +426,8 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
                                  tree=tree_budget is not None)
     cost = None  # the verify-length policy's StepCost, resolved before any forward of the call
     if static_decode is None and (adaptive or tree_budget == "auto") and block_size > 1:
-        cost = _call_cost(draft, target, facts, input_ids, budget, block_size, tree_budget, draft_window, verify_cost)
+        cost = call_cost(spec_generate, draft, target, facts, input_ids, budget, block_size,
+                         AUTO_TREE_BUDGET if tree_budget == "auto" else None, draft_window, verify_cost)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py
             static_decode(draft, target, input_ids, block_size, mask_token_id, sampling, output_timings, run,
@@ -683,61 +684,6 @@ def _longrope_step(loop, input_ids, b: int, rows) -> int:
     return b
 
 
-def _policy(loop, block_size: int, cost):
-    """The call's verify-length policy: ``verify_policy.FixedBlocks`` (every step the whole block), or with a
-    ``cost`` (``adaptive_block_size`` / ``tree_budget="auto"``) a ``verify_policy.VerifyPolicy`` on it."""
-    if cost is None:
-        return FixedBlocks(block_size)
-    policy = VerifyPolicy(cost, block_size)
-    if getattr(loop.proposer, "auto_trees", False):
-        loop.proposer.size_trees = policy.cut_trees
-    return policy
-
-
-def _call_cost(draft, target, facts, input_ids, budget: int, block_size: int, tree_budget, draft_window, given):
-    """The ``verify_policy.StepCost`` of this call: ``given`` (``verify_cost``), else the table for its batch,
-    context (prompt + half the budget, at most 256 more) and widths, measured once by [`_seconds_per_step`]."""
-    trees = AUTO_TREE_BUDGET if tree_budget == "auto" else None
-    width = block_size if trees is None else trees + 1  # verified positions at most (a tree: its nodes + anchor)
-    context = input_ids.shape[1] + min(budget, 512) // 2
-    timer = functools.partial(_seconds_per_step, draft, target, facts.device, block_size, trees, draft_window)
-    return step_cost(target, draft, facts.device, facts.mask_dtype, input_ids.shape[0], context, width, timer,
-                     draft_window, given, tree_budget=trees)
-
-
-def _seconds_per_step(draft, target, device, block_size: int, trees, draft_window, width: int, batch: int,
-                      context: int) -> float:
-    """Seconds per verify step of this loop verifying ``width`` positions (fixed blocks, or trees of
-    ``width - 1`` nodes), greedy, on ``batch`` rows of ``context`` random tokens (fixed seed; special token
-    ids of the config left out; every other row left padded by 3): the time of a call of ``3 * width + 8`` new tokens less that of its
-    prefill alone, over its verify steps. The caller's generator and inputs are not touched."""
-    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    special = {v for k, v in vars(target.config).items() if isinstance(v, int) and k.endswith(("token_id", "token_index"))}
-    allowed = torch.tensor([t for t in range(config.vocab_size) if t not in special])
-    pick = torch.randint(len(allowed), (batch, context), generator=torch.Generator().manual_seed(0))
-    ids = allowed[pick].to(device)
-    if width == 1:
-        shape = {"block_size": 1}
-    elif trees is None:
-        shape = {"block_size": width}
-    else:
-        shape = {"block_size": block_size, "tree_budget": width - 1}
-    mask = torch.ones_like(ids)
-    if batch > 1:  # a ragged batch, as the calls it stands for: left padding, so the masked path runs throughout
-        mask[1::2, : min(3, context - 1)] = 0
-    kw = dict(attention_mask=mask, temperature=0.0, do_sample=False, low_acceptance_warning=None,
-              return_dict_in_generate=True, draft_window=draft_window, **shape)
-
-    def timed(new):
-        t0 = _sync(device)
-        out = spec_generate(draft, target, ids, max_new_tokens=new, **kw)
-        return _sync(device) - t0, out.num_target_forwards - 1
-
-    prefill, _ = timed(1)
-    seconds, steps = timed(3 * width + 8)
-    return max(seconds - prefill, 0.0) / max(steps, 1)
-
-
 def _drop_finished(rows, done: list, caches, device) -> bool:
     """Drop the finished rows from every cache and row state; False when none is left."""
     keep = [i for i, d in enumerate(done) if not d]
@@ -768,7 +714,7 @@ def _decode(draft, target, input_ids, prompt_mask, block_size, mask_token_id, sa
                                    **({"confidence_threshold": confidence_threshold} if confidence_threshold else {}))
     loop = _Loop(target, facts, sampling, proposer, resume, features, run, vision,
                  offsets=torch.arange(block_size, device=device))
-    policy = _policy(loop, block_size, cost)
+    policy = policy_for(loop.proposer, block_size, cost)
     budget = run.stops.budget if run.stops.budget is not None else 1 << 40
     t0 = _sync(device) if output_timings else None
     rows, finished = _prefill(loop, input_ids, prompt_mask)

@@ -27,11 +27,13 @@ probabilities and a token budget from a startup cost profile); DSpark (arXiv 260
 confidence head's estimates.
 """
 
+import functools
 import hashlib
 import json
 import math
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -195,6 +197,66 @@ class FixedBlocks:
         pass
 
 
+def policy_for(proposer, block_size: int, cost: Optional[StepCost]):
+    """The call's policy: [`FixedBlocks`] (every step the whole block), or with a ``cost``
+    (``adaptive_block_size`` / ``tree_budget="auto"``) a [`VerifyPolicy`] on it, which also cuts the trees
+    of an ``"auto"`` tree proposer (``proposer.size_trees``)."""
+    if cost is None:
+        return FixedBlocks(block_size)
+    policy = VerifyPolicy(cost, block_size)
+    if getattr(proposer, "auto_trees", False):
+        proposer.size_trees = policy.cut_trees
+    return policy
+
+
+def call_cost(spec_generate, draft, target, facts, input_ids, budget: int, block_size: int, trees, draft_window,
+              given) -> StepCost:
+    """The [`StepCost`] of a ``spec_generate`` call: ``given`` (``verify_cost``), else the table for its batch,
+    context (prompt + half the budget, at most 256 more) and widths (``trees``: an ``"auto"`` tree's node
+    budget), measured once by [`seconds_per_step`] through ``spec_generate`` itself."""
+    width = block_size if trees is None else trees + 1  # verified positions at most (a tree: its nodes + anchor)
+    context = input_ids.shape[1] + min(budget, 512) // 2
+    timer = functools.partial(seconds_per_step, spec_generate, draft, target, facts.device, block_size, trees,
+                              draft_window)
+    return step_cost(target, draft, facts.device, facts.mask_dtype, input_ids.shape[0], context, width, timer,
+                     draft_window, given, tree_budget=trees)
+
+
+def seconds_per_step(spec_generate, draft, target, device, block_size: int, trees, draft_window, width: int,
+                     batch: int, context: int) -> float:
+    """Seconds per verify step of ``spec_generate``'s loop verifying ``width`` positions (fixed blocks, or
+    trees of ``width - 1`` nodes), greedy, on ``batch`` rows of ``context`` random tokens (fixed seed; special
+    token ids of the config left out; every other row left padded by 3): the time of a call of
+    ``3 * width + 8`` new tokens less that of its prefill alone, over its verify steps. The caller's generator
+    and inputs are not touched."""
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    special = {v for k, v in vars(target.config).items() if isinstance(v, int) and k.endswith(("token_id", "token_index"))}
+    allowed = torch.tensor([t for t in range(config.vocab_size) if t not in special])
+    ids = allowed[torch.randint(len(allowed), (batch, context), generator=torch.Generator().manual_seed(0))].to(device)
+    mask = torch.ones_like(ids)
+    if batch > 1:  # a ragged batch, as the calls it stands for: left padding, so the masked path runs throughout
+        mask[1::2, : min(3, context - 1)] = 0
+    shape = ({"block_size": 1} if width == 1 else {"block_size": width} if trees is None
+             else {"block_size": block_size, "tree_budget": width - 1})
+    kw = dict(attention_mask=mask, temperature=0.0, do_sample=False, low_acceptance_warning=None,
+              return_dict_in_generate=True, draft_window=draft_window, **shape)
+
+    def timed(new):
+        t0 = _sync(device)
+        out = spec_generate(draft, target, ids, max_new_tokens=new, **kw)
+        return _sync(device) - t0, out.num_target_forwards - 1
+
+    prefill, _ = timed(1)
+    seconds, steps = timed(3 * width + 8)
+    return max(seconds - prefill, 0.0) / max(steps, 1)
+
+
+def _sync(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 # ----------------------------------------------------------------------------- the cost table
 
 def _bucket(n: int) -> int:
@@ -293,4 +355,5 @@ def measure(seconds_per_step, width: int) -> StepCost:
     return StepCost(widths, tuple(costs), 0.0)
 
 
-__all__ = ["FixedBlocks", "PROBE_LIMIT", "StepCost", "VerifyPolicy", "best_width", "cost_file", "measure", "step_cost"]
+__all__ = ["FixedBlocks", "PROBE_LIMIT", "StepCost", "VerifyPolicy", "best_width", "call_cost", "cost_file", "measure",
+           "policy_for", "seconds_per_step", "step_cost"]

@@ -63,6 +63,8 @@ def parse_args(argv=None):
     ap.add_argument("--chat-template", action="store_true", help="wrap the first user turn in the chat template")
     ap.add_argument("--enable-thinking", action="store_true", help="passed to the chat template")
     ap.add_argument("--sweep", default="", help="prompt lengths in tokens (held-out prompts left-extended)")
+    ap.add_argument("--adaptive-block-sizes", default="",
+                    help="block sizes of the adaptive contender (adaptive_block_size=True); default --block-sizes")
     ap.add_argument("--batch-sizes", default="",
                     help="batch sizes (held-out prompts in consecutive groups, left padded; bench/batches.py)")
     ap.add_argument("--batch-rounds", type=int, default=3)
@@ -115,7 +117,7 @@ def parse_args(argv=None):
     if args.ddtree_dir and args.top_k:
         ap.error(f"--top-k {args.top_k}: DDTree's loop samples the plain tempered distribution (no top-k); "
                  "leave --ddtree-dir out")
-    for flag in ("sweep", "block_sizes", "batch_sizes", "tree_budgets"):
+    for flag in ("sweep", "block_sizes", "adaptive_block_sizes", "batch_sizes", "tree_budgets"):
         text = getattr(args, flag)
         if not all(x.strip().isdigit() and int(x) > 0 for x in text.split(",") if x.strip()) or (
                 flag == "block_sizes" and not text.strip()):
@@ -136,6 +138,11 @@ def load_models(args, device, dtype):
     return tok, target, draft
 
 
+def _adaptive_blocks(args) -> list:
+    """Block sizes of the ``adaptive`` contender: ``--adaptive-block-sizes``, else ``--block-sizes``."""
+    return [int(b) for b in (args.adaptive_block_sizes or args.block_sizes).split(",") if b.strip()]
+
+
 def build_contenders(args, target, draft, device, dtype) -> list:
     """The requested contenders that can run here (``native`` needs transformers with DFlash support,
     ``reference``/``baseline`` their folders); the ones skipped are printed."""
@@ -152,7 +159,7 @@ def build_contenders(args, target, draft, device, dtype) -> list:
         if args.draft_window is not None:
             out.append(C.Contender(f"package@{b}/window{args.draft_window}",
                                    C.package(draft, target, b, draft_window=args.draft_window), b))
-    for b in blocks if "adaptive" in want else []:
+    for b in _adaptive_blocks(args) if "adaptive" in want else []:
         out.append(C.Contender(f"adaptive@{b}", C.package(draft, target, b, adaptive_block_size=True), b))
     if "baseline" in want and args.baseline:
         from transformers import AutoModel
@@ -301,7 +308,7 @@ def batch_runs(args, target, draft, prompts: list, sampling: dict, clock: str, g
     blocks = [int(x) for x in args.block_sizes.split(",")]
     for b in blocks if "package" in want else []:
         cons[f"package@{b}"] = (B.package_contender(draft, target, b, package_kw), b, None)
-    for b in blocks if "adaptive" in want else []:
+    for b in _adaptive_blocks(args) if "adaptive" in want else []:
         cons[f"adaptive@{b}"] = (B.package_contender(draft, target, b, dict(package_kw, adaptive_block_size=True)), b,
                                  None)
     for n in [int(x) for x in args.tree_budgets.split(",") if x.strip()]:
