@@ -223,7 +223,7 @@ class Resume:
         if self.returned is None:
             return
         length = self.target_cache.get_seq_length()
-        pending = rows.ctx
+        pending = rows.context()
         covered = self.origin + draft_cache.get_seq_length() + (0 if pending is None else pending.features.shape[1])
         assert covered == length, f"draft context covers {covered} positions, the target cache {length}"
         setattr(self.returned, DRAFT_CONTEXT, DraftContext(draft_cache, pending, self.origin, length, self.owner))

@@ -134,6 +134,7 @@ class _Rows:
     host_new: list = None  # (A,) host copy of n_new
     holes: bool = True  # batch > 1 or left padding: validity bookkeeping on
     masked: bool = True  # some cache slot is masked (sticky; host bookkeeping, never read from the device)
+    parts: list = None  # contexts added after ``ctx``, concatenated once when read ([`context`])
 
     def select(self, keep: list, keep_t: torch.Tensor):
         for name in ("ids", "anchor", "start", "n_new"):
@@ -141,7 +142,8 @@ class _Rows:
         self.host_ids, self.host_new = [self.host_ids[i] for i in keep], [self.host_new[i] for i in keep]
         self.target_valid = None if self.target_valid is None else self.target_valid[keep_t]
         self.draft_valid = None if self.draft_valid is None else self.draft_valid[keep_t]
-        self.ctx = None if self.ctx is None else self.ctx.select(keep_t)
+        ctx = self.context()
+        self.ctx = None if ctx is None else ctx.select(keep_t)
 
     def context_drafted(self, draft_len: int):
         """The pending context went into the draft cache (now ``draft_len`` slots long)."""
@@ -155,7 +157,25 @@ class _Rows:
         self.ctx = None
 
     def add_context(self, ctx: _Context):
-        self.ctx = ctx if self.ctx is None else self.ctx.cat(ctx)
+        """Queue ``ctx`` after the pending context: plain steps add one position each, and concatenating
+        then would copy the whole pending context every step."""
+        if self.ctx is None:
+            self.ctx = ctx
+        else:
+            self.parts = (self.parts or []) + [ctx]
+
+    def context(self) -> Optional[_Context]:
+        """The pending context (features not yet in the draft cache), its queued parts concatenated once."""
+        if self.parts:
+            ctx = self.ctx
+            valid = None
+            if ctx.valid is not None or any(p.valid is not None for p in self.parts):
+                valid = torch.cat([c.valid if c.valid is not None else c.positions.new_ones(c.positions.shape)
+                                   for c in [ctx, *self.parts]], dim=1)
+            self.ctx = _Context(torch.cat([c.features for c in [ctx, *self.parts]], dim=1),
+                                torch.cat([c.positions for c in [ctx, *self.parts]], dim=1), valid)
+            self.parts = None
+        return self.ctx
 
 
 def _commit(run, rows, accepted, drafts, next_token, scores, logits, drafted=None):

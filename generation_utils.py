@@ -679,7 +679,7 @@ def _longrope_step(loop, input_ids, b: int, rows) -> int:
     crop_cache(draft_cache, 0)
     loop.forward(tokens, positions, None, record=False, **loop.facts.prefill)
     crop_cache(target_cache, committed - 1)  # the anchor is verified by this step's block, as always
-    rows.ctx, rows.draft_valid = _Context(loop.features()[:, :-1], positions[:, :-1], None), None
+    rows.ctx, rows.draft_valid, rows.parts = _Context(loop.features()[:, :-1], positions[:, :-1], None), None, None
     run.out.num_target_forwards += 1
     return b
 

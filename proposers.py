@@ -154,7 +154,7 @@ class BlockProposer:
     def draft_pass(self, rows, b: int):
         """The block's draft pass (``_draft_logits``, looked up at call time so tests can replace it)."""
         walk = {"slot_states": True} if self.slot_states else {}  # DFlash 1 calls stay as they were
-        return _draft_logits(self.draft, self.facts.embed, self.facts.head, rows.anchor, rows.ctx, self.draft_cache,
+        return _draft_logits(self.draft, self.facts.embed, self.facts.head, rows.anchor, rows.context(), self.draft_cache,
                              rows.draft_valid, rows.start, b, self.mask_token_id, **walk, **self.window)
 
     def propose(self, rows, b: int, positions: torch.Tensor) -> Proposal:
@@ -291,7 +291,7 @@ class DSparkProposer(SelectorProposer):
 
     def draft_pass(self, rows, b: int):
         """``(logits (A, b - 1, V), hidden (A, b - 1, H))`` of the ``b - 1`` drafted slots."""
-        return _draft_logits(self.draft, self.draft.embed_tokens, None, rows.anchor, rows.ctx, self.draft_cache,
+        return _draft_logits(self.draft, self.draft.embed_tokens, None, rows.anchor, rows.context(), self.draft_cache,
                              rows.draft_valid, rows.start, b - 1, self.mask_token_id, slot_states=True, **self.window)
 
     def propose(self, rows, b: int, positions: torch.Tensor) -> Proposal:

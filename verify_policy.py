@@ -9,7 +9,7 @@ before it were: the drafter's own estimate where it has one (DSpark's confidence
 scaled by how each row's verified steps compare with what was predicted for it (one factor per row, from
 the accept decisions only). [`VerifyPolicy`] picks the ``w`` of largest tokens per unit cost; when even the
 last drafted step's curve does not beat a plain step (``w = 0``: one position, no draft pass), the next
-steps run plain, with a draft step every 1, 2, 4 ... 32 plain steps to re-measure (the draft's context keeps
+steps run plain, with a draft step after 1, 4, 16, 64, 64 ... plain steps to re-measure (the draft's context keeps
 every committed position's features meanwhile, so drafting resumes without loss). Only what is proposed
 changes: every committed token is still the target's own (greedy) or exactly its distribution.
 
@@ -44,7 +44,7 @@ try:
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from draft_trees import first_nodes, path_probs
 
-PROBE_LIMIT = 32  # at most this many plain steps between two draft steps that re-measure the curve
+PROBE_LIMIT = 64  # at most this many plain steps between two draft steps that re-measure the curve
 _STEP = 8  # costs are rounded to steps of 2 ** (1 / _STEP)
 _TABLES: dict = {}  # this process's measured tables, by key ([`step_cost`])
 
@@ -133,7 +133,7 @@ class VerifyPolicy:
             return self.block
         self.plain += 1
         if self.plain > self.wait:  # probe: draft once to re-measure the curve
-            self.plain, self.wait = 0, min(2 * self.wait, PROBE_LIMIT)
+            self.plain, self.wait = 0, min(4 * self.wait, PROBE_LIMIT)
             return self.block
         return 1
 

@@ -171,7 +171,8 @@ def check_exactness(device, dtypes, static_config, new_tokens, n_prompts):
         paths = {static_name(static_config): dict(cache_implementation="static", compile_config=static_config)}
         if static_config is None:
             paths = {"dynamic": {}, **paths}
-        paths.update({"tree@15": {"tree_budget": 15}, "tree@64": {"tree_budget": 64}})  # draft trees (dynamic loop)
+        paths.update({"tree@15": {"tree_budget": 15}, "tree@64": {"tree_budget": 64},  # draft trees (dynamic loop)
+                      "adaptive": {"adaptive_block_size": True}, "tree@auto": {"tree_budget": "auto"}})  # the policy
         for k, text in enumerate(prompts):
             ids = tok(text, return_tensors="pt").input_ids.to(device)
             ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
@@ -335,7 +336,9 @@ def check_speed(device, dtype, shape, draft_shape, prompt_len, new_tokens, compi
          refused={"compile_s": compile_why} if compile_why else None)
     check_syncs(draft, target, ids, device, compile_config, sync_tokens)
     runs = [("dynamic", 8, {}), ("dynamic", 16, {}), (static_name(compile_config), 16, static),
-            ("tree@15", 16, {"tree_budget": 15}), ("tree@64", 16, {"tree_budget": 64})]  # draft trees, dynamic loop
+            ("tree@15", 16, {"tree_budget": 15}), ("tree@64", 16, {"tree_budget": 64}),  # draft trees, dynamic loop
+            ("adaptive", 16, {"adaptive_block_size": True}), ("tree@auto", 16, {"tree_budget": "auto"})]  # the policy,
+    # its cost table measured on this GPU (verify_policy.cost_file), never a CPU figure
     plain_need = None if plain_why is None else f"plain decode per token, refused: {plain_why}"
     for path, b, kwargs in runs:
         for draft_kind in ("random", "oracle"):

@@ -169,13 +169,13 @@ def test_the_cut_follows_the_planted_probabilities():
 
 def test_a_policy_that_stops_drafting_probes_again_and_resumes():
     """After a step whose curve does not pay, the next steps are plain, then a probe drafts again after
-    1, 2, 4 ... plain steps; a step that pays resumes drafting at once."""
+    1, 4, 16 ... plain steps; a step that pays resumes drafting at once."""
     policy = verify_policy.VerifyPolicy(MIDDLE, 8)
     assert policy.plan() == 8
     policy.cut(_proposal([[0.01] * 7]))
     policy.record([0])
     plans = [policy.plan() for _ in range(8)]
-    assert plans == [1, 8, 1, 1, 8, 1, 1, 1], plans
+    assert plans == [1, 8, 1, 1, 1, 1, 8, 1], plans  # probes after 1, then 4, plain steps
     policy.cut(_proposal([[0.99] * 7]))
     policy.record([7])
     assert policy.plan() == 8
@@ -183,7 +183,7 @@ def test_a_policy_that_stops_drafting_probes_again_and_resumes():
 
 def test_the_draft_context_stays_exact_across_plain_steps(monkeypatch):
     """Every draft pass sees, in its cache and pending context, every position before its anchor exactly
-    once, also after plain steps (a probe every 1, 2, 4 ... of them).
+    once, also after plain steps (a probe after 1, 4, 16 ... of them).
     Planted bug caught: the features of plain steps dropped (``rows.ctx = None`` after a step of block 1)."""
     target, draft = tiny_target(peaked=True), tiny_draft(block_size=BLOCK)
     ids = PROMPTS[1]
