@@ -10,6 +10,8 @@ from configuration_dflash import DFlashConfig, legacy_target_layer_ids
 from modeling_dflash import DFlashDraftModel
 from tiny import tiny_draft, tiny_draft_config, tiny_target
 
+pytestmark = pytest.mark.quick  # the first-check subset (README "Run the tests")
+
 # z-lab/Qwen3-8B-DFlash-b16 config.json, every key as published, sizes shrunk (vocab 97, hidden 40,
 # 2 draft layers, 3 target layers, mask id 96, block 4).
 PUBLISHED_CONFIG = {

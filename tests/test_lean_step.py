@@ -17,6 +17,8 @@ from patching import patch_called
 from test_dflash2_generate import dflash2_draft
 from tiny import HIDDEN, VOCAB, tiny_draft, tiny_target
 
+pytestmark = pytest.mark.quick  # the first-check subset (README "Run the tests")
+
 SYNC_METHODS = ["item", "tolist", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy"]
 
 

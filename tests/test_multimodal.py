@@ -299,8 +299,10 @@ def test_multimodal_inputs_with_the_static_loop_are_refused_by_name(drafter):
         drafter[1].spec_generate(target=target, **inputs, max_new_tokens=4, cache_implementation="static")
 
 
-def test_readme_vision_block_runs():
-    """The README's vision block runs as written (its own assert: spec_generate == generate)."""
+def test_readme_vision_block_runs(tmp_path, monkeypatch):
+    """The README's vision block runs as written from another folder (its own assert: spec_generate ==
+    generate)."""
+    monkeypatch.chdir(tmp_path)
     from test_readme import readme_blocks
 
     code = readme_blocks()["vision"]

@@ -1,4 +1,5 @@
-"""The README's code blocks marked `<!-- tested: NAME -->` run, as written, on tiny local models."""
+"""The code blocks of README.md and docs/*.md marked `<!-- tested: NAME -->` run, as written, on tiny local
+models; every other python block says why it is not run (`<!-- not run: ... -->`)."""
 
 import pathlib
 import re
@@ -10,10 +11,15 @@ from tiny import tiny_draft, tiny_target, tiny_tokenizer
 from versions import newest_transformers_only
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+PAGES = [README, *sorted((README.parent / "docs").glob("*.md"))]
+
+
+def all_text() -> str:
+    return "\n".join(page.read_text() for page in PAGES)
 
 
 def readme_blocks():
-    text = README.read_text()
+    text = all_text()
     return dict(re.findall(r"<!-- tested: (\w+) -->\n```python\n(.*?)```", text, flags=re.DOTALL))
 
 
@@ -26,12 +32,13 @@ def hub(tmp_path):
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     tiny_draft(mask_token_id=tokenizer.mask_token_id).save_pretrained(tmp_path / "draft")
-    return {"your-org/Qwen3-4B-DFlash-b16": str(tmp_path / "draft"), "Qwen/Qwen3-4B": str(tmp_path / "target")}
+    return {"z-lab/Qwen3-4B-DFlash-b16": str(tmp_path / "draft"), "Qwen/Qwen3-4B": str(tmp_path / "target")}
 
 
-def test_readme_blocks_run_on_tiny_models(hub, capsys):
+def test_readme_blocks_run_on_tiny_models(hub, capsys, tmp_path, monkeypatch):
     from modeling_dflash import native_dflash_available
 
+    monkeypatch.chdir(tmp_path)  # as a user runs them: from another folder, the package installed
     blocks = readme_blocks()
     assert set(blocks) == {"pair", "usage", "native", "custom_generate", "batch", "chat", "vision", "trees"}
     namespace, calls, expected = {}, [], None
@@ -99,7 +106,7 @@ def test_blocks_on_the_tiny_pair_set_one_thread_and_say_why():
     """Pasted on a multi-core machine, code on the shipped pair ran 10-40x slower than the README's
     figures (issue 26): every python block that loads ``pair/`` sets one thread before loading, and the
     text after the pair block states the measured effect. Planted: dropping the call fails."""
-    text = README.read_text()
+    text = all_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
     loading = [b for b in blocks if re.search(r"from_pretrained\(\s*\"pair/", b)]
     assert loading, "no README block loads the shipped pair any more: update this test"
@@ -108,3 +115,25 @@ def test_blocks_on_the_tiny_pair_set_one_thread_and_say_why():
         assert call and call.start() < block.index("from_pretrained"), block
     after = text[text.index(readme_blocks()["pair"]):][:2000]
     assert "torch.set_num_threads(1)" in after and re.search(r"threads? .*took|took .*thread", after, flags=re.DOTALL)
+
+
+def test_every_python_block_is_run_or_says_why_not():
+    """No python block of the README or docs is silently untested."""
+    for page in PAGES:
+        text = page.read_text()
+        for match in re.finditer(r"(?:(<!--[^>]*-->)\n)?```python\n", text):
+            mark = match.group(1) or ""
+            line = text[: match.start()].count("\n") + 1
+            assert mark.startswith(("<!-- tested: ", "<!-- not run: ")), f"{page.name}:{line}: mark the block"
+
+
+def test_blocks_import_the_installed_package():
+    """One import style that works after ``pip install``, from any folder: a block imports this package's
+    modules as ``dflash_hf.<module>``, never by the bare file name of the repository root (which works only
+    pasted at the root)."""
+    root_modules = {path.stem for path in README.parent.glob("*.py")}
+    bare = re.compile(r"^\s*(?:from|import)\s+(\w+)", flags=re.MULTILINE)
+    for page in PAGES:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL):
+            for module in bare.findall(block):
+                assert module not in root_modules, f"{page.name}: import {module} as dflash_hf.{module}"

@@ -11,6 +11,7 @@ from versions import newest_transformers_only
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+DOCS = "\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
 CI = (REPO / ".ci" / "run").read_text()
 
 
@@ -29,19 +30,18 @@ def _ci_value(name: str) -> str:
 
 
 def test_ci_installs_the_readme_extras_and_runs_the_readme_test_command():
-    install = README[README.index("## Install and run"):README.index("## Use it")]
-    blocks = [_commands(b) for b in _bash_blocks(install)]
-    cpu, cuda, tests = blocks[0], blocks[1], blocks[-1]
+    install = README[README.index("## Install"):README.index("## A real pair")]
+    cpu = _commands(_bash_blocks(install)[0])
     assert cpu[0] == "pip install torch --index-url https://download.pytorch.org/whl/cpu"
-    extras = f'pip install -e "{_ci_value("EXTRAS")}"'
-    assert extras in cpu and extras in cuda
-    assert tests == [_ci_value("TEST_COMMAND")]
+    assert "pip install -e ." in cpu and "python demo.py" in cpu  # the demo needs no extra
+    tests = _commands(_bash_blocks(README[README.index("## Run the tests"):README.index("## Documentation")])[0])
+    assert tests == [f'pip install -e "{_ci_value("EXTRAS")}"', _ci_value("TEST_COMMAND")]
     assert '/bin/pip" install -q --disable-pip-version-check -e "$EXTRAS"' in CI and "&& $TEST_COMMAND)" in CI
     assert re.search(r"^for tf in 4\.57\.1 5\.24\.0; do$", CI, flags=re.MULTILINE)
 
 
 def _offline_blocks() -> list:
-    return re.findall(r"<!-- runs offline -->\n```bash\n(.*?)```", README, flags=re.DOTALL)
+    return re.findall(r"<!-- runs offline -->\n```bash\n(.*?)```", README + DOCS, flags=re.DOTALL)
 
 
 @newest_transformers_only

@@ -20,6 +20,8 @@ from generation_utils import speculative_verify
 from patching import patch_called
 from tiny import tiny_draft, tiny_target
 
+pytestmark = pytest.mark.quick  # the first-check subset (README "Run the tests")
+
 Z_ALPHA = 4.753  # one-sided normal quantile for alpha = 1e-6
 
 

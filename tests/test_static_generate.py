@@ -351,9 +351,9 @@ def test_static_call_on_cpu_logs_one_warning_with_the_measured_figures(caplog):
         draft.spec_generate(TARGETS["qwen3"], PROMPT, max_new_tokens=5, temperature=0.0, cache_implementation="static")
     notes = [r for r in caplog.records if "not faster than spec_generate's dynamic loop" in r.getMessage()]
     assert len(notes) == 1 and notes[0].levelno == logging.WARNING
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "speed.md").read_text()
     for figure in re.findall(r"\d\.\d\dx", notes[0].getMessage()):
-        assert figure in readme, f"{figure} of the CPU note is not in the README"
+        assert figure in readme, f"{figure} of the CPU note is not in docs/speed.md"
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         draft.spec_generate(TARGETS["qwen3"], PROMPT.repeat(2, 1), max_new_tokens=5, temperature=0.0,

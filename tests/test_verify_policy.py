@@ -22,6 +22,8 @@ from test_families import _left_pad
 from test_trees import _chi2_crit, _exact_joint, N_NEW, PENALTY, TOP_K
 from tiny import VOCAB, tiny_draft, tiny_target
 
+pytestmark = pytest.mark.quick  # the first-check subset (README "Run the tests")
+
 StepCost = verify_policy.StepCost
 CHEAP = StepCost((1, 2), (1.0, 1.0), 0.0)  # verifying more is free: the whole block every step
 DEAR = StepCost((1, 2), (1.0, 50.0), 5.0)  # nothing pays, not even a fully accepted block
