@@ -163,7 +163,7 @@ def run(args) -> int:
     n_params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     print(f"target {display_path(args.target)}: {n_params(target) / 1e6:.2f} M params | drafter {display_path(args.draft)}: "
           f"{n_params(draft) / 1e6:.2f} M params, {draft.config.num_hidden_layers} layers, block {block}, "
-          f"target layers {draft.config.target_layer_ids} | {device}, {args.dtype}, {torch.get_num_threads()} threads | "
+          f"target layers {draft.config.target_layer_ids} | {device}, {args.dtype}, {torch.get_num_threads()} thread(s) | "
           f"loaded in {time.perf_counter() - t_load:.1f}s")
     encoded = [tok(p["turns"][0], return_tensors="pt", add_special_tokens=False)["input_ids"].to(device) for p in prompts]
     gen_kwargs = dict(do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=target.generation_config.eos_token_id)
@@ -221,7 +221,7 @@ def run(args) -> int:
         record = acceptance_record(display_path(args.target), display_path(args.draft), block, args.dtype, str(device),
                                    dataset_name(args.dataset_name, None, args.prompts), len(prompts),
                                    args.max_new_tokens, 0.0, tau, None if args.quick else speedup,
-                                   transformers.__version__)
+                                   transformers.__version__, notes="demo.py, speedup on wall-clock time")
         write_acceptance(record, args.json)
         print(f"wrote {args.json}")
     return report_differences(mismatches, args.dtype, lambda t: tok.decode([t]))

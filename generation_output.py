@@ -109,7 +109,7 @@ class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
         tau = self.tau
         lines = [f"DFlashGenerateOutput: {len(self.num_new_tokens or [])} row(s), sequences "
                  f"{tuple(self.sequences.shape) if self.sequences is not None else None}",
-                 f"  tau (new - 1) / steps : {'-' if tau is None else f'{tau:.2f}'}",
+                 f"  tau per drafting step : {'-' if tau is None else f'{tau:.2f}'}",
                  "  row  new  steps   tau"]
         for r, (n, steps, t) in enumerate(zip(self.num_new_tokens, self.row_acceptance_lengths, self.row_tau)):
             lines.append(f"  {r:>3} {n:>4} {len(steps):>6} {'-' if t is None else f'{t:5.2f}':>5}")
@@ -169,6 +169,7 @@ def plot_acceptance(result, block_size: Optional[int] = None):
     fig = Figure(figsize=(10, 3.5), layout="constrained")
     slots, hist = fig.subplots(1, 2)
     slots.bar(range(1, b), rates, color="tab:blue")
+    slots.xaxis.set_major_locator(MaxNLocator(integer=True))  # slots are whole numbers
     slots.set(xlabel="draft slot k (with trees: depth k)", ylabel="share of steps accepting slot k", ylim=(0, 1),
               title="per-slot acceptance")
     hist.hist(lengths, bins=[x - 0.5 for x in range(1, b + 2)], color="tab:green", rwidth=0.85)

@@ -44,7 +44,8 @@ try:
     from .generation_output import DFlashGenerateOutput  # noqa: F401
     from .generation_utils import spec_generate as _spec_generate
     from .generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
-    from .native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, native_dflash_available
+    from .native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, NativeRouteChecks
+    from .native_routes import native_dflash_available
     from .proposers import Proposal  # noqa: F401
     from .draft_trees import TreeBatch  # noqa: F401  (4.57 copies only direct imports)
     from .speculative_sampling import speculative_verify  # noqa: F401
@@ -67,7 +68,8 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from generation_output import DFlashGenerateOutput  # noqa: F401
     from generation_utils import spec_generate as _spec_generate
     from generation_utils import native_acceptance_stats, spec_generate_from_generate_arguments, write_custom_generate
-    from native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, native_dflash_available
+    from native_routes import CUSTOM_GENERATE_PY, assistant_usage_hint, check_native_target, NativeRouteChecks
+    from native_routes import native_dflash_available
     from proposers import Proposal  # noqa: F401
     from draft_trees import TreeBatch  # noqa: F401
     from speculative_sampling import speculative_verify  # noqa: F401
@@ -386,7 +388,7 @@ class DFlashPreTrainedModel(PreTrainedModel):
             module.weight.data.fill_(1.0)
 
 
-class DFlashDraftModel(DFlashPreTrainedModel):
+class DFlashDraftModel(NativeRouteChecks, DFlashPreTrainedModel):
     """The DFlash drafter: ``fc`` + ``hidden_norm`` feature fusion, KV injection into every layer,
     Qwen3-style layers, final ``norm``. No embedding or LM head: use the target's.
 
@@ -435,10 +437,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     def target_layer_ids(self) -> list:
         return self.config.target_layer_ids
 
-    # A draft has no generation_config of its own: `generate(assistant_model=draft)` without
-    # speculation_type="dflash" would build transformers' generic assistant, which reads one and fails
-    # with a bare AttributeError. Reading it raises an AttributeError that names the working routes
-    # instead (hasattr() stays False, as before).
+    # No generation_config: `generate(assistant_model=draft)` without speculation_type="dflash" would build the
+    # generic assistant, which reads one; the AttributeError names the working routes (hasattr() stays False).
     @property
     def generation_config(self):
         raise AttributeError(assistant_usage_hint())

@@ -10,11 +10,11 @@ import sys
 
 try:
     from .custom_generate_template import generate as _custom_generate_entry
-    from .generation_arguments import check_is_drafter, check_vocab
+    from .generation_arguments import check_is_drafter, check_pairing, check_vocab
     from .generation_output import DFlashGenerateOutput
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from custom_generate_template import generate as _custom_generate_entry
-    from generation_arguments import check_is_drafter, check_vocab
+    from generation_arguments import check_is_drafter, check_pairing, check_vocab
     from generation_output import DFlashGenerateOutput
 
 
@@ -37,6 +37,39 @@ def assistant_usage_hint() -> str:
                 f"assistant_model=draft (transformers' own DFlash path), or use {routes}")
     return ("a DFlash draft is not a generic generate() assistant, and this transformers version has no native "
             f"DFlash path (speculation_type=\"dflash\" needs transformers >= 5): use {routes}")
+
+
+def check_native_pairing(draft, frame) -> None:
+    """On transformers' native DFlash route, check ``draft`` against the target with the message of the other
+    routes (``generation_arguments.check_pairing``: hidden size, layers, vocabulary, mask id), when transformers
+    builds its ``DFlashTokenCandidateGenerator``, before the target's first forward.
+
+    ``frame`` is the frame that read ``draft.device``: the generator's ``__init__`` reads it first, and the
+    frame above it is ``target._get_candidate_generator`` (5.x), whose ``self`` is the target. Any other
+    reader returns at once. Without it a drafter of another shape failed later inside transformers, with a
+    raw ``IndexError`` (``target_layer_ids`` beyond the target's layers) or a matmul shape error (hidden size).
+
+    Raises:
+        ValueError: from ``check_pairing``, or naming DSpark for a DSpark drafter (``check_native_target``).
+    """
+    if frame is None or frame.f_code.co_name != "__init__":
+        return
+    if type(frame.f_locals.get("self")).__name__ != "DFlashTokenCandidateGenerator" or frame.f_back is None:
+        return
+    target = frame.f_back.f_locals.get("self")
+    check_native_target(draft.config, max_depth=0)  # DSpark: refused by name
+    if target is not None and hasattr(target, "get_input_embeddings") and target is not draft:
+        check_pairing(draft, target)
+
+
+class NativeRouteChecks:
+    """Mixin of ``DFlashDraftModel``: its ``device`` property, which transformers' native DFlash generator reads
+    first as it is built, checks the drafter against the target there (``check_native_pairing``)."""
+
+    @property
+    def device(self):
+        check_native_pairing(self, sys._getframe(1))
+        return super().device
 
 
 def check_native_target(draft_config, max_depth: int = 8) -> None:
@@ -155,4 +188,5 @@ def write_custom_generate(folder) -> str:
 
 
 __all__ = ["native_acceptance_stats", "write_custom_generate", "CUSTOM_GENERATE_PY", "check_native_target",
+           "check_native_pairing", "NativeRouteChecks",
            "native_dflash_available", "assistant_usage_hint"]

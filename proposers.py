@@ -270,7 +270,8 @@ class DSparkProposer(SelectorProposer):
     and verifies ``block_size + 1``: [`verify_width`]), then the Markov walk from the anchor
     (``dspark.markov_walk``; DeepSpec ``VanillaMarkov.sample_block_tokens``). Each slot's corrected logits,
     given the token chosen before it, go through generate's processors and warpers (``_Sampling.probs``):
-    that q is the rejection test's. Processors that read the prefix and ``tree_budget`` are refused by name.
+    that q is the rejection test's; a processor that reads the prefix sees the row's prefix and the slots
+    walked before (as the verify does). ``tree_budget`` is refused by name.
     """
 
     static_loop = False
@@ -285,8 +286,6 @@ class DSparkProposer(SelectorProposer):
         if tree_budget is not None:
             raise ValueError(f"tree_budget={tree_budget} is not implemented for a DSpark drafter (trees from its "
                              "Markov-corrected scores are a follow-up); use tree_budget=None")
-        if sampling.needs_prefix:
-            raise ValueError("a DSpark drafter does not run logits processors that read the prefix yet")
         super().__init__(draft, facts, draft_cache, sampling, mask_token_id, draft_window, None)
 
     def draft_pass(self, rows, b: int):
@@ -317,17 +316,29 @@ class DSparkProposer(SelectorProposer):
         return cut
 
     def choose(self, draft_logits: torch.Tensor, slot_hidden: torch.Tensor, rows):
+        """The Markov walk: slot k's logits ``(A, V)`` plus the Markov row of the token chosen at slot k - 1 (the
+        anchor for slot 0), through generate's processors and warpers (prefix readers after the row's prefix
+        and slots 0..k-1), then a draw from that q (or its argmax). Returns tokens ``(A, n)``, q ``(A, n, V)``
+        (None when greedy) and each token's own probability ``(A, n)``."""
         s, markov = self.sampling, self.draft.markov_head
+        procs = s._step_procs()  # the caller's processors: this step's copies
+        prefix = s.needs_prefix
         prev, tokens, qs, probs = rows.anchor[:, 0], [], [], []
         for k in range(draft_logits.shape[1]):
             row = draft_logits[:, k] if markov is None else draft_logits[:, k] + markov.bias(prev)
+            if prefix:
+                walked = torch.stack(tokens, 1) if tokens else rows.anchor[:, :0]
+                scores = s._at(procs, rows, walked, row.float())
+            elif len(procs):
+                scores = procs(row.new_zeros(row.shape[0], 1, dtype=torch.long), row.float())
+            else:
+                scores = row.float()
             if s.do_sample:
-                q = s.probs(row[:, None])[:, 0]
+                q = torch.softmax(scores, dim=-1)
                 prev = (torch.multinomial(q, 1, generator=s.generator)[:, 0] if s.sample_draft else q.argmax(-1))
                 qs.append(q if s.sample_draft else torch.nn.functional.one_hot(prev, q.shape[-1]).to(q.dtype))
                 probs.append(_gather(q, prev))
             else:
-                scores = s.processed(row[:, None])[:, 0] if len(s.procs) else row
                 prev = scores.argmax(-1)
                 probs.append(_own_probs(scores, prev))
             tokens.append(prev)

@@ -251,7 +251,7 @@ def run(args) -> dict:
     runs = interleaved(cons, target, prompts, args.max_new_tokens, args.rounds, sampling, args.seed,
                        progress=not args.no_progress)
     report = {"title": f"{len(prompts)} prompts x {args.max_new_tokens} tokens, "
-                       f"{mode}, {args.rounds} rounds, {device}, "
+                       f"{mode}, {args.rounds} round{'' if args.rounds == 1 else 's'}, {device}, "
                        f"{torch.get_num_threads()} thread(s), {args.dtype}",
               "command": getattr(args, "command", "python -m bench"),
               "environment": environment(args, device, dtype, clock), "settings": vars(args),
@@ -288,7 +288,8 @@ def package_acceptance(report: dict, args, draft) -> dict:
     return acceptance_record(args.target, args.draft, block, env["dtype"], device,
                              dataset_name(args.dataset_name, args.dataset, args.prompts), len(report["prompt_ids"]),
                              args.max_new_tokens, args.temperature, entry["tau"], entry.get("speedup"),
-                             transformers.__version__, notes=f"python -m bench, {report['title']}")
+                             transformers.__version__, notes=f"python -m bench, {report['title']}, "
+                             f"speedup on {env['clock']} time")
 
 
 def batch_runs(args, target, draft, prompts: list, sampling: dict, clock: str, greedy: bool):

@@ -84,7 +84,7 @@ def main():
     print(f"eager target.generate: {eager_rate:.1f} tok/s | compiled target: DFlash "
           f"{results['spec_generate'] / results['target.generate']:.2f}x its own generate, "
           f"{results['spec_generate'] / eager_rate:.2f}x the eager target | {a.num_prompts} prompts x {a.new} "
-          f"new tokens, {device}, float32, {torch.get_num_threads()} threads")
+          f"new tokens, {device}, float32, {torch.get_num_threads()} thread(s)")
 
 
 if __name__ == "__main__":

@@ -200,7 +200,7 @@ def run(args) -> dict:
     report = {"settings": {k: v for k, v in vars(args).items() if k not in ("reference_dir", "baseline")},
               "threads": torch.get_num_threads(), "clock": "time.thread_time", "rounds": rounds, "summary": summary}
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, block {args.block_size}, greedy, "
-          f"{args.rounds} rounds, {torch.get_num_threads()} thread(s), ms per verify step (thread time)")
+          f"{args.rounds} round(s), {torch.get_num_threads()} thread(s), ms per verify step (thread time)")
     print(table(summary))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

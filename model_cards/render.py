@@ -140,6 +140,16 @@ def _read_folder(folder: str):
     return config, remote_code, dtype
 
 
+def _published_names(acceptance: dict, repo_id: str, target_id) -> dict:
+    """The record as the card shows it: the draft named by ``repo_id`` and the target by ``target_id`` when that
+    is a Hub id, in place of the local folders the measurement ran from (a public card naming
+    ``runs/pair-drafter-hf`` or a home folder helps no reader). The record itself is not changed."""
+    shown = dict(acceptance, draft=repo_id)
+    if target_id and is_hub_id(target_id):
+        shown["target"] = target_id
+    return shown
+
+
 def render_model_card(
     folder: str,
     repo_id: str,
@@ -176,6 +186,8 @@ def render_model_card(
         acceptance = validate_acceptance(acceptance)
     if acceptance is not None and acceptance["block_size"] > config.block_size:
         raise AcceptanceError(f"acceptance.block_size={acceptance['block_size']} exceeds the draft's block_size={config.block_size}")
+    if acceptance is not None:
+        acceptance = _published_names(acceptance, repo_id, target_id)
     commands = engine_commands(repo_id, config.block_size, target_id, draft_layer_types=config.layer_types)
     layer_summary = ", ".join(f"{t} x{config.layer_types.count(t)}" for t in dict.fromkeys(config.layer_types))
     if config.sliding_window and "sliding_attention" in config.layer_types:

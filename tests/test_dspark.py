@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 from configuration_dflash import DFlashConfig
 from modeling_dflash import DFlashDraftModel, DSparkDraftModel
 
+pytestmark = pytest.mark.quick  # the first-check subset (README "Run the tests")
+
 V, H, R, LAYERS, BLOCK, MASK = 97, 40, 8, 3, 7, 96
 
 
@@ -196,10 +198,11 @@ def test_confident_length_is_the_first_slot_under_the_threshold():
 
 
 @torch.no_grad()
-def _oracle_draft(tmp_path, target, prompt, n):
+def _oracle_draft(tmp_path, target, prompt, n, **gen):
     """A DSpark drafter whose drafts come only from its Markov head: ``lm_head`` zero, rank V, ``W1 = I`` and
-    ``W2[next, prev] = 50`` for the bigrams of the target's own greedy continuation (first occurrence wins)."""
-    greedy = target.generate(prompt, max_new_tokens=n, do_sample=False)[0].tolist()
+    ``W2[next, prev] = 50`` for the bigrams of the target's own greedy continuation (first occurrence wins;
+    ``gen``: generate's processors, applied to that continuation too)."""
+    greedy = target.generate(prompt, max_new_tokens=n, do_sample=False, **gen)[0].tolist()
     tensors = _tensors(rank=V, confidence=False)
     tensors["lm_head.weight"].zero_()
     tensors["markov_head.markov_w1.weight"] = torch.eye(V)
@@ -225,6 +228,49 @@ def test_greedy_equals_generate_with_drafts_from_the_markov_head(tmp_path):
     assert max(out.row_draft_lengths[0]) == BLOCK  # a block of 7 slots drafts 7 tokens (verifies 8)
     assert sum(out.row_accepted_drafts[0]) >= 8  # the oracle was consulted, and accepted past slot 0
     assert max(out.acceptance_lengths) > 2
+
+
+def test_processors_that_read_the_prefix_apply_to_the_markov_walk_as_in_generate(tmp_path):
+    """repetition_penalty and no_repeat_ngram_size read every committed token: with DSpark drafts (the oracle
+    of the processed continuation) the output is generate's with the same processors, drafts accepted.
+    Planted: the processors left out of the verify (the unprocessed continuation differs, asserted)."""
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    gen = dict(repetition_penalty=1.5, no_repeat_ngram_size=2)
+    draft, expected = _oracle_draft(tmp_path, target, prompt, 24, **gen)
+    assert expected != target.generate(prompt, max_new_tokens=24, do_sample=False)[0].tolist()
+    out = draft.spec_generate(target, prompt, max_new_tokens=24, do_sample=False, return_dict_in_generate=True, **gen)
+    assert out.sequences[0].tolist() == expected
+    assert sum(out.row_accepted_drafts[0]) >= 8
+
+
+class _NextAfterLast:
+    """A caller's processor that reads the prefix: only ``last token + 1`` stays (all else -inf)."""
+
+    def __call__(self, input_ids, scores):
+        keep = (input_ids[:, -1:] + 1) % scores.shape[-1]
+        return torch.full_like(scores, float("-inf")).scatter(1, keep, scores.gather(1, keep))
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_prefix_reading_processor_sees_the_slots_walked_before(tmp_path, do_sample):
+    """Every slot of the walk is processed after the row's prefix and the slots walked before it, as the verify
+    processes them: the drafts are then exactly the target's processed tokens, every block accepted whole.
+    Planted bug caught: slots processed without the prefix (the drafts follow the raw Markov walk)."""
+    from transformers import LogitsProcessorList
+
+    from tiny import tiny_target
+
+    target = tiny_target(layers=4)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    draft, _ = _oracle_draft(tmp_path, target, prompt, 24)
+    procs = LogitsProcessorList([_NextAfterLast()])
+    out = draft.spec_generate(target, prompt, max_new_tokens=17, do_sample=do_sample, logits_processor=procs,
+                              generator=torch.Generator().manual_seed(0), return_dict_in_generate=True)
+    assert out.sequences[0, 5:].tolist() == [(65 + k) % V for k in range(1, 18)]
+    assert out.row_acceptance_lengths[0][:2] == [BLOCK + 1, BLOCK + 1]  # 1 + 2 x 8 = 17 tokens
 
 
 def test_tree_budget_is_refused_by_name_with_dspark(tmp_path):

@@ -133,6 +133,20 @@ def test_generate_without_speculation_type_names_the_working_routes(pair):
     assert not hasattr(draft, "generation_config")
 
 
+def test_what_4_57_says_to_speculation_type_is_what_the_readme_says(pair):
+    """4.57.1 has no native DFlash loop and validates generate's keyword arguments before it touches the
+    assistant, so the package cannot intercept: the routes table quotes transformers' own refusal."""
+    if native_dflash_available():
+        pytest.skip("transformers 5.x runs speculation_type='dflash' (tested above)")
+    from test_readme import all_text
+
+    draft, target, tok = pair
+    enc = encode(tok, prompts(1)[0])
+    with pytest.raises(ValueError, match=r"not used by the model: \['speculation_type'\]"):
+        target.generate(**enc, max_new_tokens=4, assistant_model=draft, speculation_type="dflash")
+    assert "not used by the model: ['speculation_type']" in all_text()
+
+
 def test_forward_answers_the_native_names_with_the_same_numbers():
     """Two consecutive draft calls (the second over a cache holding the first's context), in both spellings."""
     draft = tiny_draft()
@@ -281,6 +295,8 @@ def test_plot_shows_per_slot_acceptance_and_the_histogram(pair):
     drafting = [a for a, d in zip(out.row_acceptance_lengths[0], out.row_draft_lengths[0]) if d > 0]
     tau = sum(drafting) / len(drafting)  # over the steps that drafted (a last plain step at the budget is not)
     assert hist.lines[0].get_xdata()[0] == pytest.approx(tau)
+    fig.canvas.draw()  # a Figure of its own (fig.savefig, not plt.savefig); whole-number slot ticks
+    assert all(float(t).is_integer() for t in slots.get_xticks() if 1 <= t <= 15)
 
 
 def test_per_slot_acceptance_counts_steps_that_accepted_at_least_k_drafts():

@@ -71,6 +71,17 @@ def test_card_body_says_what_the_drafter_is(drafter):
     assert 'revision="abc1234"' in body  # the usage snippet pins the target revision
 
 
+def test_card_names_the_published_repos_not_the_folders_measured(drafter, tmp_path):
+    """A record measured from local folders (what bench and demo write) shows the card's repo id and the Hub
+    target id, never a path of the machine; the speedup sentence names no clock the record did not use."""
+    local = acceptance(target=str(tmp_path / "models" / "Qwen3-8B"), draft="runs/pair-drafter-hf",
+                       notes="python -m bench, shipped pair, speedup on cpu time")
+    body = str(render_model_card(str(drafter / "ours"), "me/Tiny-DFlash", license="mit", acceptance=local))
+    assert "Measured with draft `me/Tiny-DFlash` and target `Qwen/Qwen3-8B`" in body
+    assert str(tmp_path) not in body and "runs/pair-drafter-hf" not in body
+    assert "wall-clock decoding speed" not in body and "speedup on cpu time" in body
+
+
 def test_card_without_acceptance_or_hub_target(drafter, tmp_path):
     card = render_model_card(str(drafter / "ours"), "me/Tiny-DFlash", license="apache-2.0", target_id=str(tmp_path))
     data = ModelCard(str(card)).data.to_dict()

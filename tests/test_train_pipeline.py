@@ -159,6 +159,8 @@ def test_cli_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys,
     assert len(err) == 1 and str(missing) in err[0]
     assert td.main(["--preset", "dflash-b16", "--target", "x"]) == 1
     assert "--data" in capsys.readouterr().err
+    readme = (Path(td.__file__).parent / "README.md").read_text()
+    assert "one line on stderr with exit code 1" in " ".join(readme.split())  # what the README promises
     with pytest.raises(td.UsageError):
         td.main(["--output-dir", str(existing), "--debug"])
 

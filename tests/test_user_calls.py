@@ -337,6 +337,27 @@ def test_a_target_with_another_vocabulary_is_refused_on_the_native_route():
                         speculation_type="dflash", max_new_tokens=8, do_sample=False)
 
 
+@pytest.mark.skipif(not IS_5, reason="transformers' native DFlash loop (speculation_type='dflash') arrived in 5.x")
+@pytest.mark.parametrize("overrides, message", [
+    (dict(target_layer_ids=[0, 5], num_target_layers=None), r"target_layer_ids \[0, 5\] reach beyond the target's 3"),
+    (dict(hidden_size=48, head_dim=12), "draft fc expects 96 input features but the target gives 2 layers x hidden 40"),
+    (dict(num_target_layers=4), "trained for a 4-layer target, this target has 3"),
+])
+def test_a_drafter_of_another_shape_is_named_on_the_native_route_before_the_target_runs(overrides, message):
+    """The native route gives the other routes' message (check_pairing) when transformers builds its DFlash
+    generator, before any forward. Without the check: a raw IndexError from transformers' generator (layers
+    beyond the target), a matmul shape error (hidden size), a 4-layer drafter run on a 3-layer target."""
+    target, calls = tiny_target(), []
+    handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=message):
+            target.generate(PROMPTS[0], attention_mask=torch.ones_like(PROMPTS[0]), speculation_type="dflash",
+                            assistant_model=tiny_draft(**overrides), max_new_tokens=8, do_sample=False)
+    finally:
+        handle.remove()
+    assert calls == []
+
+
 def test_a_target_with_another_vocabulary_is_refused_by_the_converter():
     from convert.convert_checkpoint import _check_generation
     from convert.errors import CommandError
