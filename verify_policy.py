@@ -45,6 +45,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from draft_trees import first_nodes, path_probs
 
 PROBE_LIMIT = 64  # at most this many plain steps between two draft steps that re-measure the curve
+PROBE_BLOCK = 4  # a probe drafts this block (at most the call's): whether drafting pays shows in its first slots
 _STEP = 8  # costs are rounded to steps of 2 ** (1 / _STEP)
 _TABLES: dict = {}  # this process's measured tables, by key ([`step_cost`])
 
@@ -110,10 +111,16 @@ class VerifyPolicy:
 
     A batch ends with its slowest row, and finished rows leave it: the width is chosen for the row whose
     remaining tokens over its expected tokens per step is largest (the critical row), so a batch with one row
-    the draft cannot follow runs plain steps rather than long blocks the others barely need."""
+    the draft cannot follow runs plain steps rather than long blocks the others barely need.
 
-    def __init__(self, cost: StepCost, block_size: int):
-        self.cost, self.block = cost, block_size
+    A chain's draft pass costs what its block holds, not what is verified: after a step that verified ``w``
+    drafted positions the next one drafts a block of ``2 (w + 1)`` rounded up to a power of two (at most
+    ``block_size``, at least [`PROBE_BLOCK`]), so a cut that hit the block's end doubles it; a probe drafts
+    [`PROBE_BLOCK`]. Trees (``trees=True``) always draft the call's block."""
+
+    def __init__(self, cost: StepCost, block_size: int, trees: bool = False):
+        self.cost, self.block, self.trees = cost, block_size, trees
+        self.width = None  # drafted positions the last drafting step verified
         self.effective = None  # last drafted step's expected tokens curve of the critical row (scaled), per width
         self.plain, self.wait = 0, 1  # plain steps since the last draft step; plain steps before the next probe
         self.predicted, self.observed = {}, {}  # per row id: sums over verified steps (a prior of one each)
@@ -130,12 +137,17 @@ class VerifyPolicy:
             return 1
         if self.effective is None or best_width(self.cost, self.effective)[0] > 0:
             self.plain, self.wait = 0, 1
-            return self.block
+            return self._draft_block()
         self.plain += 1
         if self.plain > self.wait:  # probe: draft once to re-measure the curve
             self.plain, self.wait = 0, min(4 * self.wait, PROBE_LIMIT)
-            return self.block
+            return self.block if self.trees else min(self.block, PROBE_BLOCK)
         return 1
+
+    def _draft_block(self) -> int:
+        if self.width is None or self.trees:
+            return self.block
+        return min(self.block, max(PROBE_BLOCK, 1 << (2 * self.width + 1).bit_length()))
 
     def _choose(self, rows: list, cap: int) -> int:
         """Best width from per-row curves ``rows[r][k - 1]`` (expected accepted drafts at width ``k``)."""
@@ -147,7 +159,7 @@ class VerifyPolicy:
         self.effective = [min((1 + min(cap or k, k, s * r[k - 1])) * top / max(left, 1)
                               for r, left, s in zip(rows, remaining, scales)) - 1 for k in range(1, n + 1)]
         width = max(1, best_width(self.cost, self.effective)[0])
-        self.chosen = ([r[width - 1] for r in rows], width, ids)
+        self.chosen, self.width = ([r[width - 1] for r in rows], width, ids), width
         return width
 
     def cut(self, proposal):
@@ -203,8 +215,8 @@ def policy_for(proposer, block_size: int, cost: Optional[StepCost]):
     of an ``"auto"`` tree proposer (``proposer.size_trees``)."""
     if cost is None:
         return FixedBlocks(block_size)
-    policy = VerifyPolicy(cost, block_size)
-    if getattr(proposer, "auto_trees", False):
+    policy = VerifyPolicy(cost, block_size, trees=getattr(proposer, "auto_trees", False))
+    if policy.trees:
         proposer.size_trees = policy.cut_trees
     return policy
 
@@ -355,5 +367,5 @@ def measure(seconds_per_step, width: int) -> StepCost:
     return StepCost(widths, tuple(costs), 0.0)
 
 
-__all__ = ["FixedBlocks", "PROBE_LIMIT", "StepCost", "VerifyPolicy", "best_width", "call_cost", "cost_file", "measure",
+__all__ = ["FixedBlocks", "PROBE_BLOCK", "PROBE_LIMIT", "StepCost", "VerifyPolicy", "best_width", "call_cost", "cost_file", "measure",
            "policy_for", "seconds_per_step", "step_cost"]

@@ -170,17 +170,36 @@ def test_the_cut_follows_the_planted_probabilities():
 
 
 def test_a_policy_that_stops_drafting_probes_again_and_resumes():
-    """After a step whose curve does not pay, the next steps are plain, then a probe drafts again after
-    1, 4, 16 ... plain steps; a step that pays resumes drafting at once."""
+    """After a step whose curve does not pay, the next steps are plain, then a probe drafts a block of
+    PROBE_BLOCK after 1, 4, 16 ... plain steps; a step that pays resumes drafting at once, with the block
+    sized from the width it verified."""
     policy = verify_policy.VerifyPolicy(MIDDLE, 8)
     assert policy.plan() == 8
     policy.cut(_proposal([[0.01] * 7]))
     policy.record([0])
     plans = [policy.plan() for _ in range(8)]
-    assert plans == [1, 8, 1, 1, 1, 1, 8, 1], plans  # probes after 1, then 4, plain steps
-    policy.cut(_proposal([[0.99] * 7]))
-    policy.record([7])
-    assert policy.plan() == 8
+    assert plans == [1, 4, 1, 1, 1, 1, 4, 1], plans  # probes after 1, then 4, plain steps
+    assert policy.cut(_proposal([[0.99] * 3])).tokens.shape[1] == 3  # the probe's whole block pays
+    policy.record([3])
+    assert policy.plan() == 8  # 2 x (3 + 1): the block doubles past the cut that hit its end
+
+
+def test_the_drafted_block_follows_the_width_verified():
+    """A chain drafts 2 (w + 1) rounded up to a power of two after verifying w drafted positions (at least
+    PROBE_BLOCK, at most the call's block); trees always draft the call's block. Planted bug caught: the
+    block kept at block_size after a narrow cut (plans 16, 16, ...)."""
+    blocks = []
+    for width in (1, 2, 3, 4, 15):
+        policy = verify_policy.VerifyPolicy(StepCost((1, 16), (1.0, 2.0)), 16)  # each position costs: cut at w
+        assert policy.plan() == 16
+        p = _proposal([[0.99] * width + [0.001] * (15 - width)])
+        policy.cut(p)
+        policy.record([width])
+        blocks.append(policy.plan())
+    assert blocks == [4, 8, 8, 16, 16], blocks
+    trees = verify_policy.VerifyPolicy(StepCost((1, 16), (1.0, 2.0)), 16, trees=True)
+    trees.cut(_proposal([[0.99] + [0.001] * 14]))
+    assert trees.plan() == 16
 
 
 def test_the_draft_context_stays_exact_across_plain_steps(monkeypatch):
