@@ -197,7 +197,8 @@ def _rollback_target(cache, pass_cache_position: bool, written: int, keep: int) 
         cache.crop(keep - written)
 
 
-# Logged once per static call on a CPU target (figures: docs/speed.md "Static cache and torch.compile", bench/static_cpu.py).
+# Logged once per static call on a CPU target (figures: docs/speed.md "Static cache and torch.compile",
+# bench/static_cpu.py).
 CPU_NOTE = ("cache_implementation='static' on CPU is not faster than spec_generate's dynamic loop: on the shipped "
             "pair (1 thread, greedy, time.thread_time) the static loop ran at 0.88x-0.94x of the dynamic loop's "
             "speed, and at 0.70x with compile_config (inductor); it is meant for CUDA with compile_config "
