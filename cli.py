@@ -175,7 +175,7 @@ def benchmark(argv: list) -> int:
         return 1
     from bench.cli import main as bench_main
 
-    return bench_main(bench_argv(argv))
+    return bench_main(bench_argv(argv), prog="dflash-hf benchmark")
 
 
 def convert(argv: list) -> int:

@@ -39,15 +39,16 @@ from .prompts import DATASETS, HELDOUT, dataset_prompts, encode, extend_prompt, 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=str(ROOT / "pair" / "target"), help="target folder or Hub id")
-    ap.add_argument("--draft", default=str(ROOT / "pair" / "drafter"), help="drafter folder or Hub id")
+def parse_args(argv=None, prog: str = "python -m bench"):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    # The second names are the authors' (`dflash benchmark --model M --draft-model D --max-samples N`).
+    ap.add_argument("--target", "--model", default=str(ROOT / "pair" / "target"), help="target folder or Hub id")
+    ap.add_argument("--draft", "--draft-model", default=str(ROOT / "pair" / "drafter"), help="drafter folder or Hub id")
     ap.add_argument("--prompts", default=str(HELDOUT),
                     help="a JSON list or JSONL file of prompts (strings, or objects with prompt/text/turns)")
     ap.add_argument("--dataset", choices=sorted(DATASETS), help="an evaluation set instead of --prompts")
     ap.add_argument("--data-files", nargs="+", help="local JSON/JSONL file(s) in the --dataset column layout")
-    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--num-prompts", "--max-samples", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; ratios are per-round medians")
     ap.add_argument("--block-sizes", default="16", help="package block sizes, comma separated")
@@ -199,10 +200,11 @@ def environment(args, device, dtype, clock) -> dict:
             "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m bench") -> int:
     """The command: exit status 0, 1 (a refused input, or greedy outputs that differ from the target's:
-    one line on stderr, ``--debug`` for the traceback), 2 (usage error), 130 (Ctrl-C)."""
-    args = parse_args(argv)
+    one line on stderr, ``--debug`` for the traceback), 2 (usage error), 130 (Ctrl-C). ``prog``: the name
+    usage lines show (``dflash-hf benchmark`` from the console script)."""
+    args = parse_args(argv, prog)
     args.command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
     return run_command(lambda a: 1 if _mismatches(run(a)) else 0, args)
 

@@ -21,8 +21,8 @@ import sys
 from .errors import CommandError
 from .sources import REMOTE_CODE_FILES
 
-__all__ = ["CommandError", "add_debug_flag", "expected_failure", "hub_error_message", "launch", "quiet_loading",
-           "run_command"]
+__all__ = ["CommandError", "add_debug_flag", "expected_failure", "hub_error_message", "launch", "missing_package_message",
+           "quiet_loading", "run_command"]
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -89,10 +89,32 @@ def refused_by_spec_generate(err: BaseException) -> bool:
             and any(code.co_name.startswith("spec_generate") for code in frames))
 
 
+# Optional packages the command lines import on demand -> the extra of pyproject.toml that installs them.
+OPTIONAL_PACKAGES = {"datasets": "bench", "matplotlib": "bench", "tqdm": "bench", "tokenizers": "train",
+                     "yaml": "test", "jinja2": "test", "flash_attn": "flash", "bitsandbytes": "quantization",
+                     "torchao": "quantization", "optimum": "quantization"}
+
+
+def missing_package_message(err: BaseException):
+    """``"<package> is not installed: pip install -e '.[extra]'"`` for an optional package a command imports on
+    demand (``OPTIONAL_PACKAGES``), or None. ``dflash-hf benchmark --dataset gsm8k`` after a plain
+    ``pip install -e .`` printed a 31-line traceback ending in ``No module named 'datasets'``."""
+    if not isinstance(err, ModuleNotFoundError) or not err.name:
+        return None
+    top = err.name.split(".")[0]
+    extra = OPTIONAL_PACKAGES.get(top)
+    if extra is None:
+        return None
+    return f"{top} is not installed (this command needs it): pip install -e '.[{extra}]' (or pip install {top})"
+
+
 def expected_failure(err: BaseException):
     """The one-line message of an expected failure, or None when ``err`` is a bug (keep its traceback)."""
     if isinstance(err, CommandError) or refused_by_spec_generate(err):
         return _first_line(err)
+    missing = missing_package_message(err)
+    if missing is not None:
+        return missing
     message = hub_error_message(err, "the Hub repo")
     if message is not None:
         return message

@@ -119,6 +119,25 @@ def test_bench_bad_inputs_are_one_line(case, expected, folders, tmp_path, monkey
     assert not (tmp_path / "r.json").exists()
 
 
+def test_a_missing_optional_package_is_one_line_naming_its_extra(monkeypatch, tmp_path, capsys):
+    """``--dataset`` after a plain ``pip install -e .`` (no ``datasets``): one line naming the extra, exit 1,
+    for the bench and for training; a missing module that is not optional stays a traceback (a bug).
+    Before: a 31-line traceback ending in ``No module named 'datasets'``."""
+    import sys
+
+    from bench import cli
+    from convert.cli import missing_package_message
+    from train import train_drafter as td
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ModuleNotFoundError
+    assert cli.main(BENCH + ["--out", str(tmp_path / "r.json"), "--dataset", "gsm8k"]) == 1
+    assert "datasets is not installed (this command needs it): pip install -e '.[bench]'" in one_line(capsys)
+    assert td.main(["--output-dir", str(tmp_path / "run"), "--target", "pair/target", "--data", "gsm8k"]) == 1
+    assert "datasets is not installed" in one_line(capsys)
+    assert missing_package_message(ModuleNotFoundError("No module named 'modeling_x'", name="modeling_x")) is None
+
+
 def test_bench_ctrl_c_is_one_line(monkeypatch, tmp_path, capsys):
     from bench import cli
 

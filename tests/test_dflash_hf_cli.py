@@ -90,6 +90,12 @@ def test_benchmark_maps_the_authors_flags_and_runs_from_another_folder(installed
             "--contenders", "target,package", "--plot", "", "--no-progress", "--out", "r.json"]
     assert installed_main(argv) == 0
     assert json.loads((tmp_path / "r.json").read_text())["settings"]["num_prompts"] == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # the help names the command and the authors' flags it takes
+        installed_main(["benchmark", "--help"])
+    shown = capsys.readouterr().out
+    assert shown.startswith("usage: dflash-hf benchmark")
+    assert "--model TARGET" in shown and "--max-samples NUM_PROMPTS" in shown and "--draft-model DRAFT" in shown
 
 
 @pytest.mark.parametrize("argv, named", [

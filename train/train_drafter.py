@@ -523,6 +523,13 @@ def main(argv=None) -> int:
             raise
         print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:  # an optional package (datasets, tokenizers ...): named with its extra
+        from convert.cli import missing_package_message
+
+        if debug or missing_package_message(e) is None:
+            raise
+        print(f"error: {missing_package_message(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
