@@ -101,13 +101,18 @@ class _Context:
     positions: torch.Tensor
     valid: Optional[torch.Tensor]
 
-    def cat(self, other: "_Context") -> "_Context":
+    @staticmethod
+    def join(parts: list) -> "_Context":
+        """The contexts ``parts`` one after another along the context axis (one copy of each)."""
         valid = None
-        if self.valid is not None or other.valid is not None:
+        if any(c.valid is not None for c in parts):
             valid = torch.cat([c.valid if c.valid is not None else c.positions.new_ones(c.positions.shape)
-                               for c in (self, other)], dim=1)
-        return _Context(torch.cat([self.features, other.features], dim=1),
-                        torch.cat([self.positions, other.positions], dim=1), valid)
+                               for c in parts], dim=1)
+        return _Context(torch.cat([c.features for c in parts], dim=1), torch.cat([c.positions for c in parts], dim=1),
+                        valid)
+
+    def cat(self, other: "_Context") -> "_Context":
+        return _Context.join([self, other])
 
     def select(self, keep) -> "_Context":
         return _Context(self.features[keep], self.positions[keep], None if self.valid is None else self.valid[keep])
@@ -167,14 +172,7 @@ class _Rows:
     def context(self) -> Optional[_Context]:
         """The pending context (features not yet in the draft cache), its queued parts concatenated once."""
         if self.parts:
-            ctx = self.ctx
-            valid = None
-            if ctx.valid is not None or any(p.valid is not None for p in self.parts):
-                valid = torch.cat([c.valid if c.valid is not None else c.positions.new_ones(c.positions.shape)
-                                   for c in [ctx, *self.parts]], dim=1)
-            self.ctx = _Context(torch.cat([c.features for c in [ctx, *self.parts]], dim=1),
-                                torch.cat([c.positions for c in [ctx, *self.parts]], dim=1), valid)
-            self.parts = None
+            self.ctx, self.parts = _Context.join([self.ctx, *self.parts]), None
         return self.ctx
 
 

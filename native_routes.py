@@ -50,14 +50,14 @@ def check_native_pairing(draft, frame) -> None:
     raw ``IndexError`` (``target_layer_ids`` beyond the target's layers) or a matmul shape error (hidden size).
 
     Raises:
-        ValueError: from ``check_pairing``, or naming DSpark for a DSpark drafter (``check_native_target``).
+        ValueError: from ``check_pairing``, or naming DSpark for a DSpark drafter (``_refuse_dspark``).
     """
     if frame is None or frame.f_code.co_name != "__init__":
         return
     if type(frame.f_locals.get("self")).__name__ != "DFlashTokenCandidateGenerator" or frame.f_back is None:
         return
     target = frame.f_back.f_locals.get("self")
-    check_native_target(draft.config, max_depth=0)  # DSpark: refused by name
+    _refuse_dspark(draft.config)
     if target is not None and hasattr(target, "get_input_embeddings") and target is not draft:
         check_pairing(draft, target)
 
@@ -70,6 +70,18 @@ class NativeRouteChecks:
     def device(self):
         check_native_pairing(self, sys._getframe(1))
         return super().device
+
+
+def _refuse_dspark(draft_config) -> None:
+    """ValueError naming DSpark for a DSpark drafter (``draft_config.is_dspark``) on the native route."""
+    if getattr(draft_config, "is_dspark", False):
+        arch = (getattr(draft_config, "architectures", None) or ["DSpark"])[0]
+        raise ValueError(
+            f"a DSpark drafter ({arch}) does not run on transformers' native DFlash route (speculation_type="
+            "\"dflash\"): that loop drafts slot k as the token at start + k from the target's head, a DSpark slot k "
+            "is start + k + 1 from the drafter's own head and Markov walk. Use draft.spec_generate(target, input_ids, "
+            "...) or target.generate(input_ids, custom_generate=<the drafter's folder>, assistant_model=draft, "
+            "trust_remote_code=True)")
 
 
 def check_native_target(draft_config, max_depth: int = 8) -> None:
@@ -86,14 +98,7 @@ def check_native_target(draft_config, max_depth: int = 8) -> None:
             slot k as the token at ``start + k`` from the target's head and discards slot 0, while DSpark's
             slot k is ``start + k + 1`` from its own head plus the Markov walk; only this package's loop runs it.
     """
-    if getattr(draft_config, "is_dspark", False):
-        arch = (getattr(draft_config, "architectures", None) or ["DSpark"])[0]
-        raise ValueError(
-            f"a DSpark drafter ({arch}) does not run on transformers' native DFlash route (speculation_type="
-            "\"dflash\"): that loop drafts slot k as the token at start + k from the target's head, a DSpark slot k "
-            "is start + k + 1 from the drafter's own head and Markov walk. Use draft.spec_generate(target, input_ids, "
-            "...) or target.generate(input_ids, custom_generate=<the drafter's folder>, assistant_model=draft, "
-            "trust_remote_code=True)")
+    _refuse_dspark(draft_config)
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:

@@ -241,8 +241,7 @@ class SelectorProposer(BlockProposer):
             def process(slot, drafted, scores):  # (A, V) scores of `slot`, `drafted` (A, slot) walked so far
                 return s._at(procs, rows, drafted, scores)
         elif len(procs):
-            a, n, v = logits.shape
-            logits = procs(logits.new_zeros(a * n, 1, dtype=torch.long), logits.reshape(a * n, v).float()).view(a, n, v)
+            logits = s.processed(logits, procs)
         walked = selector_walk(self.draft.candidate_selector, slot_hidden, logits, rows.anchor.to(slot_hidden.device),
                                do_sample=s.do_sample and s.sample_draft, temperature=s.temperature,
                                generator=s.generator, process=process)
@@ -258,8 +257,7 @@ class SelectorProposer(BlockProposer):
         procs = LogitsProcessorList(p for p in self.sampling.procs if not isinstance(p, _WARPERS) and prefix_free(p))
         logits = draft_logits.to(slot_hidden.device)
         if len(procs):
-            a, n, v = logits.shape
-            logits = procs(logits.new_zeros(a * n, 1, dtype=torch.long), logits.reshape(a * n, v).float()).view(a, n, v)
+            logits = self.sampling.processed(logits, procs)
         return selector_trees(self.draft.candidate_selector, slot_hidden, logits, rows.anchor, self.tree_budget)
 
 
@@ -329,10 +327,8 @@ class DSparkProposer(SelectorProposer):
             if prefix:
                 walked = torch.stack(tokens, 1) if tokens else rows.anchor[:, :0]
                 scores = s._at(procs, rows, walked, row.float())
-            elif len(procs):
-                scores = procs(row.new_zeros(row.shape[0], 1, dtype=torch.long), row.float())
             else:
-                scores = row.float()
+                scores = s.processed(row[:, None], procs)[:, 0]
             if s.do_sample:
                 q = torch.softmax(scores, dim=-1)
                 prev = (torch.multinomial(q, 1, generator=s.generator)[:, 0] if s.sample_draft else q.argmax(-1))

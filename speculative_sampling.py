@@ -175,12 +175,14 @@ class _Sampling:
     def needs_prefix(self) -> bool:
         return not all(prefix_free(p) for p in self.procs)
 
-    def processed(self, logits: torch.Tensor) -> torch.Tensor:
-        """Prefix-free path: ``(B, n, V)`` logits -> processed fp32 scores, one batched call."""
+    def processed(self, logits: torch.Tensor, procs: Optional[LogitsProcessorList] = None) -> torch.Tensor:
+        """Prefix-free path: ``(B, n, V)`` logits -> processed fp32 scores, one batched call of ``procs``
+        (default ``self.procs``; a proposer passes this step's copies or a subset)."""
+        procs = self.procs if procs is None else procs
         b, n, v = logits.shape
         flat = logits.reshape(b * n, v).float()
-        if len(self.procs):
-            flat = self.procs(flat.new_zeros(b * n, 1, dtype=torch.long), flat)
+        if len(procs):
+            flat = procs(flat.new_zeros(b * n, 1, dtype=torch.long), flat)
         return flat.view(b, n, v)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:

@@ -526,9 +526,10 @@ def main(argv=None) -> int:
     except ModuleNotFoundError as e:  # an optional package (datasets, tokenizers ...): named with its extra
         from convert.cli import missing_package_message
 
-        if debug or missing_package_message(e) is None:
+        message = missing_package_message(e)
+        if debug or message is None:
             raise
-        print(f"error: {missing_package_message(e)}", file=sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
         return 1
 
 
