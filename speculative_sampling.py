@@ -111,6 +111,9 @@ def speculative_verify(draft_tokens, draft_probs, target_probs, generator=None, 
         follows them (residual sample or bonus).
     """
     bsz, n = draft_tokens.shape
+    if n == 0:  # a plain step (nothing drafted): the target's own sample, as generate draws it
+        return (torch.zeros(bsz, dtype=torch.long, device=draft_tokens.device),
+                torch.multinomial(target_probs[:, 0], 1, generator=generator)[:, 0])
     rows = torch.arange(bsz, device=draft_tokens.device)
     p_x = target_probs[:, :n].gather(-1, draft_tokens[..., None])[..., 0]
     q_x = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]

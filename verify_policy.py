@@ -9,8 +9,12 @@ before it were: the drafter's own estimate where it has one (DSpark's confidence
 scaled by how each row's verified steps compare with what was predicted for it (one factor per row, from
 the accept decisions only). [`VerifyPolicy`] picks the ``w`` of largest tokens per unit cost; when even the
 last drafted step's curve does not beat a plain step (``w = 0``: one position, no draft pass), the next
-steps run plain, with a draft step after 1, 4, 16, 64, 64 ... plain steps to re-measure (the draft's context keeps
-every committed position's features meanwhile, so drafting resumes without loss). Only what is proposed
+steps run plain, with a draft step (a probe) after 1, 4, 16, 64, 64 ... plain steps to re-measure (the draft's
+context keeps every committed position's features meanwhile, so drafting resumes without loss). A call none
+of whose drafting steps has paid starts that series at ``PROBE_PATIENCE`` times what a probe that fails
+wastes (at batch 32 on the shipped pair about 7 plain steps, not 1), and no probe runs when fewer tokens are
+left than the wait it ends: what it could find would not pay back. The first step drafts the block that would
+pay best if each slot were accepted with ``PRIOR_ACCEPTANCE`` (0.8), not always the whole block. Only what is proposed
 changes: every committed token is still the target's own (greedy) or exactly its distribution.
 
 Where the cost comes from ([`step_cost`]): the caller's ``verify_cost`` (a [`StepCost`]), else one
@@ -46,6 +50,8 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
 
 PROBE_LIMIT = 64  # at most this many plain steps between two draft steps that re-measure the curve
 PROBE_BLOCK = 4  # a probe drafts this block (at most the call's): whether drafting pays shows in its first slots
+PROBE_PATIENCE = 4  # before drafting has paid once, the first probe waits this many times a probe's waste
+PRIOR_ACCEPTANCE = 0.8  # the first step's block assumes each slot is accepted with this chance given the ones before
 _STEP = 8  # costs are rounded to steps of 2 ** (1 / _STEP)
 _TABLES: dict = {}  # this process's measured tables, by key ([`step_cost`])
 
@@ -122,7 +128,8 @@ class VerifyPolicy:
         self.cost, self.block, self.trees = cost, block_size, trees
         self.width = None  # drafted positions the last drafting step verified
         self.effective = None  # last drafted step's expected tokens curve of the critical row (scaled), per width
-        self.plain, self.wait = 0, 1  # plain steps since the last draft step; plain steps before the next probe
+        self.plain, self.wait = 0, None  # plain steps since the last draft step; plain steps before the next probe
+        self.paid = False  # whether a drafting step of this call has paid (its curve beat a plain step)
         self.predicted, self.observed = {}, {}  # per row id: sums over verified steps (a prior of one each)
         self.chosen = None  # this step's (predicted accepted drafts per row, width), for record()
         self.remaining, self.ids = None, None
@@ -135,14 +142,35 @@ class VerifyPolicy:
         self.remaining, self.ids = remaining, ids
         if best_width(self.cost, list(range(1, self.block)))[0] == 0:  # not even a fully accepted block pays
             return 1
-        if self.effective is None or best_width(self.cost, self.effective)[0] > 0:
-            self.plain, self.wait = 0, 1
+        if self.effective is None:
+            return self._first_block()
+        if best_width(self.cost, self.effective)[0] > 0:
+            self.plain, self.wait, self.paid = 0, None, True
             return self._draft_block()
+        if self.wait is None:
+            self.wait = 1 if self.paid else self._first_wait()
         self.plain += 1
-        if self.plain > self.wait:  # probe: draft once to re-measure the curve
+        if self.plain > self.wait and max(remaining or [1 << 40]) > self.wait:  # probe: re-measure the curve
             self.plain, self.wait = 0, min(4 * self.wait, PROBE_LIMIT)
             return self.block if self.trees else min(self.block, PROBE_BLOCK)
         return 1
+
+    def _first_block(self) -> int:
+        """The first step's block: the smallest power of two (at least [`PROBE_BLOCK`]) holding the width of
+        most tokens per unit cost if every slot were accepted with [`PRIOR_ACCEPTANCE`] given the ones before
+        it (no step has been seen yet). Trees draft the call's block."""
+        if self.trees:
+            return self.block
+        prior = [sum(PRIOR_ACCEPTANCE ** j for j in range(1, k + 1)) for k in range(1, self.block)]
+        width = best_width(self.cost, prior)[0]
+        return min(self.block, max(PROBE_BLOCK, 1 << width.bit_length()))
+
+    def _first_wait(self) -> int:
+        """Plain steps before the first probe of a call none of whose drafting steps has paid yet: a probe
+        that does not pay wastes ``step(PROBE_BLOCK - 1) - 1`` plain steps, so the first probe comes after
+        [`PROBE_PATIENCE`] times that (1 for a call that drafted with profit: a dip there is likely brief)."""
+        waste = self.cost.step(min(self.block, PROBE_BLOCK) - 1) - 1.0
+        return max(1, min(PROBE_LIMIT, round(PROBE_PATIENCE * waste)))
 
     def _draft_block(self) -> int:
         if self.width is None or self.trees:
@@ -238,9 +266,12 @@ def seconds_per_step(spec_generate, draft, target, device, block_size: int, tree
                      batch: int, context: int) -> float:
     """Seconds per verify step of ``spec_generate``'s loop verifying ``width`` positions (fixed blocks, or
     trees of ``width - 1`` nodes), greedy, on ``batch`` rows of ``context`` random tokens (fixed seed; special
-    token ids of the config left out; every other row left padded by 3): the time of a call of
-    ``3 * width + 8`` new tokens less that of its prefill alone, over its verify steps. The caller's generator
-    and inputs are not touched."""
+    token ids of the config left out; every other row left padded by 3): the decode time (``output_timings``)
+    of a call of ``3 * width + 10`` new tokens less that of a call of 2, over the verify steps between them,
+    each the best of two calls. Neither the prefill nor the first step's draft pass over the whole prompt is
+    in it: at 2,048 context tokens the prefill is ten plain steps' time or more, and a difference of whole
+    calls measured a step of 2 positions at 1.3 plain steps where it costs 1.8. The caller's generator and
+    inputs are not touched."""
     config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     special = {v for k, v in vars(target.config).items() if isinstance(v, int) and k.endswith(("token_id", "token_index"))}
     allowed = torch.tensor([t for t in range(config.vocab_size) if t not in special])
@@ -251,16 +282,15 @@ def seconds_per_step(spec_generate, draft, target, device, block_size: int, tree
     shape = ({"block_size": 1} if width == 1 else {"block_size": width} if trees is None
              else {"block_size": block_size, "tree_budget": width - 1})
     kw = dict(attention_mask=mask, temperature=0.0, do_sample=False, low_acceptance_warning=None,
-              return_dict_in_generate=True, draft_window=draft_window, **shape)
+              return_dict_in_generate=True, output_timings=True, draft_window=draft_window, **shape)
 
-    def timed(new):
-        t0 = _sync(device)
-        out = spec_generate(draft, target, ids, max_new_tokens=new, **kw)
-        return _sync(device) - t0, out.num_target_forwards - 1
+    def decode(new):  # (decode seconds, verify steps) of a call of `new` tokens, the faster of two
+        outs = [spec_generate(draft, target, ids, max_new_tokens=new, **kw) for _ in range(2)]
+        return min(o.timings["decode_s"] for o in outs), outs[0].num_target_forwards - 1
 
-    prefill, _ = timed(1)
-    seconds, steps = timed(3 * width + 8)
-    return max(seconds - prefill, 0.0) / max(steps, 1)
+    short, short_steps = decode(2)
+    long, long_steps = decode(3 * width + 10)
+    return max(long - short, 0.0) / max(long_steps - short_steps, 1)
 
 
 def _sync(device) -> float:
@@ -367,5 +397,6 @@ def measure(seconds_per_step, width: int) -> StepCost:
     return StepCost(widths, tuple(costs), 0.0)
 
 
-__all__ = ["FixedBlocks", "PROBE_BLOCK", "PROBE_LIMIT", "StepCost", "VerifyPolicy", "best_width", "call_cost", "cost_file", "measure",
-           "policy_for", "seconds_per_step", "step_cost"]
+__all__ = ["FixedBlocks", "PRIOR_ACCEPTANCE", "PROBE_BLOCK", "PROBE_LIMIT", "PROBE_PATIENCE", "StepCost",
+           "VerifyPolicy", "best_width", "call_cost", "cost_file", "measure", "policy_for", "seconds_per_step",
+           "step_cost"]

@@ -171,17 +171,28 @@ def test_the_cut_follows_the_planted_probabilities():
 
 def test_a_policy_that_stops_drafting_probes_again_and_resumes():
     """After a step whose curve does not pay, the next steps are plain, then a probe drafts a block of
-    PROBE_BLOCK after 1, 4, 16 ... plain steps; a step that pays resumes drafting at once, with the block
-    sized from the width it verified."""
+    PROBE_BLOCK: in a call that never drafted with profit, after PROBE_PATIENCE x the probe's waste (MIDDLE:
+    a probe costs 0.3 + 1 + 3 x 0.25 = 2.05 plain steps, so 4 x 1.05 -> 4), then 16 ... plain steps; once a
+    step paid, after 1, then 4. A step that pays resumes drafting at once, with the block sized from the width
+    it verified; no probe runs when fewer tokens are left than the wait it ends. Planted bugs caught: the
+    first wait kept at 1 (plans [1, 4, ...]); the remaining tokens ignored."""
     policy = verify_policy.VerifyPolicy(MIDDLE, 8)
-    assert policy.plan() == 8
+    assert policy.plan() == 8  # prior 0.8 per slot: best at 5 verified positions -> a block of 8
     policy.cut(_proposal([[0.01] * 7]))
     policy.record([0])
-    plans = [policy.plan() for _ in range(8)]
-    assert plans == [1, 4, 1, 1, 1, 1, 4, 1], plans  # probes after 1, then 4, plain steps
+    plans = [policy.plan() for _ in range(10)]
+    assert plans == [1, 1, 1, 1, 4, 1, 1, 1, 1, 1], plans  # the first probe after 4 plain steps
     assert policy.cut(_proposal([[0.99] * 3])).tokens.shape[1] == 3  # the probe's whole block pays
     policy.record([3])
     assert policy.plan() == 8  # 2 x (3 + 1): the block doubles past the cut that hit its end
+    policy.cut(_proposal([[0.01] * 7]))
+    policy.record([0])
+    plans = [policy.plan() for _ in range(8)]
+    assert plans == [1, 4, 1, 1, 1, 1, 4, 1], plans  # drafting paid once in this call: probes after 1, then 4
+    policy.cut(_proposal([[0.01] * 3]))
+    policy.record([0])
+    assert [policy.plan(remaining=[16]) for _ in range(20)] == [1] * 20  # 16 left, not more than the wait of 16
+    assert policy.plan(remaining=[17]) == 4
 
 
 def test_the_drafted_block_follows_the_width_verified():
@@ -191,12 +202,15 @@ def test_the_drafted_block_follows_the_width_verified():
     blocks = []
     for width in (1, 2, 3, 4, 15):
         policy = verify_policy.VerifyPolicy(StepCost((1, 16), (1.0, 2.0)), 16)  # each position costs: cut at w
-        assert policy.plan() == 16
+        assert policy.plan() == 8  # first step, prior 0.8: (1 + 3.16) / (1 + 7 / 15) beats every other width
         p = _proposal([[0.99] * width + [0.001] * (15 - width)])
         policy.cut(p)
         policy.record([width])
         blocks.append(policy.plan())
     assert blocks == [4, 8, 8, 16, 16], blocks
+    # the first block under other costs: free positions -> the whole block; dear ones -> PROBE_BLOCK
+    assert verify_policy.VerifyPolicy(CHEAP, 16).plan() == 16
+    assert verify_policy.VerifyPolicy(StepCost((1, 2, 16), (1.0, 2.0, 9.0)), 16).plan() == verify_policy.PROBE_BLOCK
     trees = verify_policy.VerifyPolicy(StepCost((1, 16), (1.0, 2.0)), 16, trees=True)
     trees.cut(_proposal([[0.99] + [0.001] * 14]))
     assert trees.plan() == 16
@@ -204,16 +218,16 @@ def test_the_drafted_block_follows_the_width_verified():
 
 def test_the_draft_context_stays_exact_across_plain_steps(monkeypatch):
     """Every draft pass sees, in its cache and pending context, every position before its anchor exactly
-    once, also after plain steps (a probe after 1, 4, 16 ... of them).
+    once, also after plain steps (probes between them).
     Planted bug caught: the features of plain steps dropped (``rows.ctx = None`` after a step of block 1)."""
     target, draft = tiny_target(peaked=True), tiny_draft(block_size=BLOCK)
     ids = PROMPTS[1]
     seen = []
-    install_oracle(monkeypatch, [_generate(target, ids, 60)], seen)
+    install_oracle(monkeypatch, [_generate(target, ids, 200)], seen)
     poor = StepCost((1, 9), (1.0, 6.0), 1.0)  # the oracle's curve rarely pays: many plain steps
-    out = draft.spec_generate(target, ids, max_new_tokens=60, temperature=0.0, adaptive_block_size=True,
+    out = draft.spec_generate(target, ids, max_new_tokens=200, temperature=0.0, adaptive_block_size=True,
                               verify_cost=poor, return_dict_in_generate=True)
-    assert out.plain_steps > 3 and len(seen) > 2
+    assert out.plain_steps > 3 and len(seen) > 2, (out.plain_steps, len(seen))
     for cached, positions, start in seen:
         assert positions[0].tolist() == list(range(cached, int(start[0]))), (cached, positions, start)
 
