@@ -9,13 +9,14 @@ before it were: the drafter's own estimate where it has one (DSpark's confidence
 scaled by how each row's verified steps compare with what was predicted for it (one factor per row, from
 the accept decisions only). [`VerifyPolicy`] picks the ``w`` of largest tokens per unit cost; when even the
 last drafted step's curve does not beat a plain step (``w = 0``: one position, no draft pass), the next
-steps run plain, with a draft step (a probe) after 1, 4, 16, 64, 64 ... plain steps to re-measure (the draft's
-context keeps every committed position's features meanwhile, so drafting resumes without loss). A call none
-of whose drafting steps has paid starts that series at ``PROBE_PATIENCE`` times what a probe that fails
-wastes (at batch 32 on the shipped pair about 7 plain steps, not 1), and no probe runs when fewer tokens are
-left than the wait it ends: what it could find would not pay back. The first step drafts the block that would
-pay best if each slot were accepted with ``PRIOR_ACCEPTANCE`` (0.8), not always the whole block. Only what is proposed
-changes: every committed token is still the target's own (greedy) or exactly its distribution.
+steps run plain, with a draft step (a probe) after 1, 4, 16, 64, 64 ... plain steps to re-measure (the
+draft's context keeps every committed position's features meanwhile, so drafting resumes without loss). A
+call none of whose drafting steps has paid starts that series at ``PROBE_PATIENCE`` times what a probe that
+fails wastes (at batch 32 on the shipped pair about 7 plain steps, not 1), and no probe runs when fewer
+tokens are left than the wait it ends: what it could find would not pay back. The first step drafts the
+block that would pay best if each slot were accepted with ``PRIOR_ACCEPTANCE`` (0.8), not always the whole
+block. Only what is proposed changes: every committed token is still the target's own (greedy) or exactly
+its distribution.
 
 Where the cost comes from ([`step_cost`]): the caller's ``verify_cost`` (a [`StepCost`]), else one
 measurement of the call's own loop (``spec_generate`` with fixed blocks of 1, 2, 4 ... positions, greedy,
@@ -36,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ PROBE_LIMIT = 64  # at most this many plain steps between two draft steps that r
 PROBE_BLOCK = 4  # a probe drafts this block (at most the call's): whether drafting pays shows in its first slots
 PROBE_PATIENCE = 4  # before drafting has paid once, the first probe waits this many times a probe's waste
 PRIOR_ACCEPTANCE = 0.8  # the first step's block assumes each slot is accepted with this chance given the ones before
+MEASURE_ROUNDS = 5  # a measured table takes the median of this many rounds per width
 _STEP = 8  # costs are rounded to steps of 2 ** (1 / _STEP)
 _TABLES: dict = {}  # this process's measured tables, by key ([`step_cost`])
 
@@ -267,11 +270,10 @@ def seconds_per_step(spec_generate, draft, target, device, block_size: int, tree
     """Seconds per verify step of ``spec_generate``'s loop verifying ``width`` positions (fixed blocks, or
     trees of ``width - 1`` nodes), greedy, on ``batch`` rows of ``context`` random tokens (fixed seed; special
     token ids of the config left out; every other row left padded by 3): the decode time (``output_timings``)
-    of a call of ``3 * width + 10`` new tokens less that of a call of 2, over the verify steps between them,
-    each the best of two calls. Neither the prefill nor the first step's draft pass over the whole prompt is
-    in it: at 2,048 context tokens the prefill is ten plain steps' time or more, and a difference of whole
-    calls measured a step of 2 positions at 1.3 plain steps where it costs 1.8. The caller's generator and
-    inputs are not touched."""
+    of a call of ``3 * width + 10`` new tokens less that of a call of 2, over the verify steps between them.
+    Neither the prefill nor the first step's draft pass over the whole prompt is in it: at 2,048 context
+    tokens the prefill is ten plain steps' time or more, and a difference of whole calls measured a step of 2
+    positions at 1.3 plain steps where it costs 1.8. The caller's generator and inputs are not touched."""
     config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     special = {v for k, v in vars(target.config).items() if isinstance(v, int) and k.endswith(("token_id", "token_index"))}
     allowed = torch.tensor([t for t in range(config.vocab_size) if t not in special])
@@ -284,9 +286,9 @@ def seconds_per_step(spec_generate, draft, target, device, block_size: int, tree
     kw = dict(attention_mask=mask, temperature=0.0, do_sample=False, low_acceptance_warning=None,
               return_dict_in_generate=True, output_timings=True, draft_window=draft_window, **shape)
 
-    def decode(new):  # (decode seconds, verify steps) of a call of `new` tokens, the faster of two
-        outs = [spec_generate(draft, target, ids, max_new_tokens=new, **kw) for _ in range(2)]
-        return min(o.timings["decode_s"] for o in outs), outs[0].num_target_forwards - 1
+    def decode(new):  # (decode seconds, verify steps) of a call of `new` tokens
+        out = spec_generate(draft, target, ids, max_new_tokens=new, **kw)
+        return out.timings["decode_s"], out.num_target_forwards - 1
 
     short, short_steps = decode(2)
     long, long_steps = decode(3 * width + 10)
@@ -386,12 +388,16 @@ def _widths(width: int) -> tuple:
 def measure(seconds_per_step, width: int) -> StepCost:
     """A [`StepCost`] from ``seconds_per_step(w)``, the time of one whole step of the call's own loop verifying
     ``w`` positions (``w = 1``: a plain step; above, the draft pass, the verify forward and the bookkeeping
-    together, so ``draft`` is 0), at each width of ``_widths(width)``: ratios to the plain step, rounded to
-    steps of 2^(1/8), never decreasing with the width. Runs once per table ([`step_cost`])."""
+    together, so ``draft`` is 0), at each width of ``_widths(width)``: per round over the widths in turn the
+    ratio to that round's plain step (a machine's speed drifts 20% between rounds), the median of
+    ``MEASURE_ROUNDS`` rounds (one slow moment of a busy machine once priced a step of 4 positions at 3.1
+    plain steps where it costs 1.7), rounded to steps of 2^(1/8), never decreasing with the width. Runs once
+    per table ([`step_cost`])."""
     widths = _widths(width)
     seconds_per_step(min(2, width))  # warm-up
-    times = [max(seconds_per_step(w), 1e-9) for w in widths]
-    costs = [1.0] + [max(1.0, _rounded(t / times[0])) for t in times[1:]]
+    rounds = [[max(seconds_per_step(w), 1e-9) for w in widths] for _ in range(MEASURE_ROUNDS)]  # widths in turn
+    ratios = [statistics.median(r[i] / r[0] for r in rounds) for i in range(1, len(widths))]  # per round: drift
+    costs = [1.0] + [max(1.0, _rounded(x)) for x in ratios]
     for i in range(1, len(costs)):
         costs[i] = max(costs[i], costs[i - 1])
     return StepCost(widths, tuple(costs), 0.0)

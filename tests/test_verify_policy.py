@@ -329,6 +329,35 @@ def test_the_measured_table_is_kept_and_reused(tmp_path, monkeypatch):
         StepCost((2, 4), (1.0, 2.0), 0.1)
 
 
+def test_a_measured_table_takes_the_median_round_and_leaves_the_first_step_out():
+    """``measure`` prices each width by the median over MEASURE_ROUNDS rounds of its ratio to that round's
+    plain step: one slow moment (3x at width 4 in the first round) does not enter the table, nor does a
+    machine 30% faster in another round. ``seconds_per_step`` takes the decode time of a long call less that
+    of a short one over the steps between them, so the first step (here 5 s of draft context) cancels.
+    Planted bugs caught: one round (width 4 at 3x); the long call alone (5 s / 13)."""
+    true = {1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0}  # plain steps per step at each width
+    calls = []
+
+    def seconds(w):
+        calls.append(w)
+        slow = 3.0 if w == 4 and calls.count(4) == 1 else 1.0
+        fast = 0.7 if calls.count(1) == 2 else 1.0  # the machine is faster in the second round
+        return 0.01 * true[w] * slow * fast
+
+    cost = verify_policy.measure(seconds, 8)
+    assert cost.widths == (1, 2, 4, 8) and cost.verify == tuple(verify_policy._rounded(v) for v in true.values())
+
+    class Out:
+        def __init__(self, new):
+            self.num_target_forwards = new  # prefill + one step per token (nothing accepted)
+            self.timings = {"decode_s": 5.0 + 0.02 * (new - 1)}
+
+    fake = lambda draft, target, ids, max_new_tokens, **kw: Out(max_new_tokens)
+    target = tiny_target()
+    per_step = verify_policy.seconds_per_step(fake, None, target, torch.device("cpu"), 4, None, None, 1, 1, 8)
+    assert per_step == pytest.approx(0.02)
+
+
 def test_auto_tree_budget_sizes_trees_and_keeps_the_output(monkeypatch):
     """``tree_budget="auto"``: best-first trees of up to ``AUTO_TREE_BUDGET`` nodes cut by the policy to the
     node count its cost and the nodes' path probabilities choose; greedy output equal to generate (batch 1
