@@ -161,7 +161,8 @@ def build_contenders(args, target, draft, device, dtype) -> list:
             out.append(C.Contender(f"package@{b}/window{args.draft_window}",
                                    C.package(draft, target, b, draft_window=args.draft_window), b))
     for b in _adaptive_blocks(args) if "adaptive" in want else []:
-        out.append(C.Contender(f"adaptive@{b}", C.package(draft, target, b, adaptive_block_size=True), b))
+        out.append(C.Contender(f"adaptive@{b}", C.package(draft, target, b, adaptive_block_size=True), b,
+                               warm_every_prompt=True))
     if "baseline" in want and args.baseline:
         from transformers import AutoModel
 

@@ -37,6 +37,7 @@ class Contender:
     name: str
     run: Callable
     block_size: Optional[int] = None  # drafted block (for per-slot statistics), None: not a block drafter
+    warm_every_prompt: bool = False  # warm up on every prompt at full length (the policy's per-shape cost tables)
 
 
 def sampling_kwargs(sampling: dict) -> dict:

@@ -63,7 +63,10 @@ def measure(contender, target, ids, max_new_tokens: int, sampling: dict, seed: i
 def interleaved(contenders, target, prompts, max_new_tokens: int, rounds: int, sampling: dict, seed: int = 0,
                 progress: bool = True) -> dict:
     """``{name: [[run dict per prompt] per round]}``: every contender on every prompt, ``rounds`` times,
-    interleaved prompt by prompt with the contender order rotated each time. One warm-up run each first.
+    interleaved prompt by prompt with the contender order rotated each time. One warm-up run each first; a
+    contender with ``warm_every_prompt`` (the verify-length policy, whose cost table is measured once per
+    batch and context bucket, on first use) warms up on every prompt at ``max_new_tokens``, so no
+    measurement falls inside a timed round.
 
     Args:
         prompts: list of ``(1, L)`` LongTensors on the target's device.
@@ -71,7 +74,8 @@ def interleaved(contenders, target, prompts, max_new_tokens: int, rounds: int, s
     from tqdm.auto import tqdm
 
     for c in contenders:  # warm-up: first-call allocations and lazy imports out of the timings
-        measure(c, target, prompts[0], min(8, max_new_tokens), sampling, seed)
+        for ids in (prompts if c.warm_every_prompt else prompts[:1]):
+            measure(c, target, ids, max_new_tokens if c.warm_every_prompt else min(8, max_new_tokens), sampling, seed)
     runs = {c.name: [[None] * len(prompts) for _ in range(rounds)] for c in contenders}
     bar = tqdm(total=rounds * len(prompts) * len(contenders), disable=not progress, desc="bench", leave=False)
     for r in range(rounds):

@@ -249,3 +249,27 @@ def test_batch_sizes_run_ragged_batches_against_batched_generate(tmp_path):
         assert package["mismatched_rows"] == 0 and len(package["row_tau"]) == 2 and package["tau"] > 1
         assert package["block_size"] == 4 and package["step_ms"] > 0
     assert set(batches["best_block"]) == {"1", "2"}
+
+
+def test_a_policy_contender_warms_up_on_every_prompt_before_the_timed_rounds():
+    """``interleaved``: a contender with ``warm_every_prompt`` (the verify-length policy, whose cost tables are
+    measured on first use of a shape) runs every prompt at full length before any timed run; others warm up
+    once, briefly. Planted bug caught: the old warm-up (first prompt, 8 tokens) left the table of a second
+    context bucket to be measured inside the first timed round (batch 1 greedy read 1.28x instead of 2.0x)."""
+    from bench.contenders import Contender
+    from bench.core import interleaved
+
+    calls = []
+    target = torch.nn.Linear(2, 2)
+    prompts = [torch.zeros(1, n, dtype=torch.long) for n in (3, 40)]
+    def record(name):
+        def run(ids, new, sampling):
+            target(torch.zeros(1, 2))  # one forward: the probe's first-token time
+            calls.append((name, ids.shape[1], new))
+            return [0] * new, None
+        return run
+
+    policy, plain = Contender("adaptive@16", record("policy"), 16, warm_every_prompt=True), Contender("p", record("p"))
+    interleaved([policy, plain], target, prompts, 20, 1, {}, progress=False)
+    assert calls[:3] == [("policy", 3, 20), ("policy", 40, 20), ("p", 3, 8)], calls
+    assert len(calls) == 3 + 2 * 2
