@@ -39,7 +39,6 @@ import math
 import os
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -293,12 +292,6 @@ def seconds_per_step(spec_generate, draft, target, device, block_size: int, tree
     short, short_steps = decode(2)
     long, long_steps = decode(3 * width + 10)
     return max(long - short, 0.0) / max(long_steps - short_steps, 1)
-
-
-def _sync(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 # ----------------------------------------------------------------------------- the cost table

@@ -74,8 +74,9 @@ def interleaved(contenders, target, prompts, max_new_tokens: int, rounds: int, s
     from tqdm.auto import tqdm
 
     for c in contenders:  # warm-up: first-call allocations and lazy imports out of the timings
-        for ids in (prompts if c.warm_every_prompt else prompts[:1]):
-            measure(c, target, ids, max_new_tokens if c.warm_every_prompt else min(8, max_new_tokens), sampling, seed)
+        warm, new = (prompts, max_new_tokens) if c.warm_every_prompt else (prompts[:1], min(8, max_new_tokens))
+        for ids in warm:
+            measure(c, target, ids, new, sampling, seed)
     runs = {c.name: [[None] * len(prompts) for _ in range(rounds)] for c in contenders}
     bar = tqdm(total=rounds * len(prompts) * len(contenders), disable=not progress, desc="bench", leave=False)
     for r in range(rounds):
