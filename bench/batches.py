@@ -93,8 +93,8 @@ def run_batches(sizes: list, contenders: dict, target, prompts: list, pad: int, 
     for size in sizes:
         groups = [left_pad(g, pad, device) for g in batches_of(prompts, size)]
         names = [n for n, (_, _, ok) in contenders.items() if ok is None or size in ok]
-        for n in names:  # warm-up at this shape
-            _measure(contenders[n][0], target, groups[0][0], groups[0][1], min(8, max_new_tokens), clock, seed)
+        for n in names:  # warm-up at this shape and length: the policy's cost table for it is measured here
+            _measure(contenders[n][0], target, groups[0][0], groups[0][1], max_new_tokens, clock, seed)
         runs = {n: [] for n in names}
         for r in range(rounds):
             per = {n: [] for n in names}
