@@ -2,7 +2,8 @@
 
     python demo.py                 # 8 prompts x 128 tokens; CUDA is used when present
     python demo.py --quick         # 2 prompts x 32 tokens: a smoke run, too short for speed figures
-    python demo.py --json acceptance.json
+    python demo.py --json acceptance.json   # fixed blocks: the drafter's acceptance at its block size
+    python demo.py --fixed-blocks          # every step drafts the whole block (adaptive_block_size=False)
 
 It runs in float32 on 1 CPU thread unless told otherwise (``--dtype``, ``--threads``) and says why
 in its first lines: the pair is tiny (3 M parameters), so extra threads only add synchronisation and
@@ -11,12 +12,15 @@ CPU bfloat16 matmuls are slower than float32 at this size.
 Loads the drafter through ``AutoModel.from_pretrained(..., trust_remote_code=True)`` and the target
 through ``AutoModelForCausalLM`` / ``AutoTokenizer``, continues real held-out prompts
 (``pair/heldout_prompts.json``: ``def`` + docstring from stdlib modules the models never saw) with greedy
-speculative decoding, prints the generated code, the acceptance length tau, the per-position acceptance
-and tokens/s against the target alone (``target.generate``, same prompts, same run, after a warm-up),
-and CHECKS that every output equals the target's own greedy output (exit status 1 otherwise). In
-bfloat16 (``--dtype bfloat16``) a verify block and a one-token forward round differently, so greedy
-outputs may part where two logits are nearly tied: the demo then prints each prompt's first differing
-token with that note and exits 0; in float32 a difference is a FAIL (exit 1).
+speculative decoding (``spec_generate``'s default: the verify-length policy, ``verify_policy.py``, chooses
+each step how many drafted tokens to verify), prints the generated code, the acceptance length tau, the
+per-position acceptance and tokens/s against the target alone (``target.generate``, same prompts, same run,
+after a warm-up that runs every prompt once: on a machine's first run it also measures the policy's cost
+tables, once per prompt shape, kept for later runs in ``verify_policy.cost_file()``), and CHECKS that
+every output equals the target's own greedy output (exit status 1 otherwise). In bfloat16
+(``--dtype bfloat16``) a verify block and a one-token forward round differently, so greedy outputs may
+part where two logits are nearly tied: the demo then prints each prompt's first differing token with
+that note and exits 0; in float32 a difference is a FAIL (exit 1).
 """
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=None, help="per-call block size (default: the drafter's)")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     ap.add_argument("--quick", action="store_true", help="2 prompts x 32 tokens (CI smoke run)")
+    ap.add_argument("--fixed-blocks", action="store_true",
+                    help="every step drafts and verifies the whole block (adaptive_block_size=False) instead of the "
+                         "default verify-length policy; implied by --json (a card's tau is the acceptance at the block)")
     ap.add_argument("--json", metavar="PATH",
                     help="write a dflash-acceptance/v1 record here (for model_cards.render / push_to_hub --acceptance)")
     ap.add_argument("--dataset-name", metavar="NAME",
@@ -63,6 +70,7 @@ def parse_args(argv=None):
         if "--max-new-tokens" in given or "--num-prompts" in given:
             ap.error("--quick sets 2 prompts x 32 tokens; drop --num-prompts/--max-new-tokens or --quick")
         args.num_prompts, args.max_new_tokens = 2, 32
+    args.fixed_blocks = args.fixed_blocks or args.json is not None
     for flag, low in (("num_prompts", 1), ("max_new_tokens", 1), ("threads", 0), ("block_size", 1)):
         value = getattr(args, flag)
         if value is not None and value < low:
@@ -173,15 +181,20 @@ def run(args) -> int:
 
     def speculative(ids, n):
         return draft.spec_generate(target, ids, max_new_tokens=n, temperature=0.0, block_size=block,
-                                   return_dict_in_generate=True)
+                                   adaptive_block_size=not args.fixed_blocks, return_dict_in_generate=True)
 
-    # warm-up (allocator, kernels, lazy imports) for both paths
+    # warm-up (allocator, kernels, lazy imports) for both paths; the policy's cost table of each prompt's shape
+    # is measured on a machine's first run, so every prompt runs once at full length before the timed runs
+    t_warm = time.perf_counter()
     target_alone(encoded[0], 8)
-    speculative(encoded[0], 8)
+    for ids in encoded[:1] if args.fixed_blocks else encoded:
+        speculative(ids, 8 if args.fixed_blocks else args.max_new_tokens)
+    print(f"warm-up {time.perf_counter() - t_warm:.1f}s" + ("" if args.fixed_blocks else
+          " (a first run on this machine also measures the verify-length policy's cost tables, kept for later runs)"))
 
     t_ref = t_spec = 0.0
     n_ref = n_spec = 0
-    steps, mismatches = [], []
+    rows, mismatches = {"lengths": [], "drafted": [], "accepted": []}, []  # per prompt, from each output's row 0
     for p, ids in zip(prompts, encoded):
         t0 = sync(device)
         ref = target_alone(ids, args.max_new_tokens)
@@ -191,28 +204,34 @@ def run(args) -> int:
         t_ref, t_spec = t_ref + t1 - t0, t_spec + t2 - t1
         n_ref += ref.shape[1] - ids.shape[1]
         n_spec += out.sequences.shape[1] - ids.shape[1]
-        steps += out.acceptance_lengths
+        for key, field in (("lengths", "row_acceptance_lengths"), ("drafted", "row_draft_lengths"),
+                           ("accepted", "row_accepted_drafts")):
+            rows[key].append(getattr(out, field)[0])
         same = out.sequences.tolist() == ref.tolist()
         if not same:
             mismatches.append((p.get("path", p["id"]), first_difference(ref, out.sequences, ids.shape[1])))
-        tau_p = sum(out.acceptance_lengths) / max(len(out.acceptance_lengths), 1)
+        tau_p = out.tau or 1.0
         if not args.quiet:
             label = f"{p['path']} :: {p['name']}" if "path" in p and "name" in p else p["id"]
             print(f"\n----- {label}  (tau {tau_p:.2f}, {'identical' if same else 'DIFFERENT'})")
             bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")  # generated text in bold
             print(p["turns"][0] + bold + tok.decode(out.sequences[0, ids.shape[1]:]) + plain)
 
-    tau = sum(steps) / max(len(steps), 1)
+    from generation_output import DFlashGenerateOutput  # tau and slot acceptance: the one definition
+
+    pooled = DFlashGenerateOutput(sequences=None, row_acceptance_lengths=rows["lengths"],
+                                  row_draft_lengths=rows["drafted"], row_accepted_drafts=rows["accepted"])  # a prompt a row
+    tau, drafting = pooled.tau or 1.0, sum(d > 0 for row in rows["drafted"] for d in row)
     tps_ref, tps_spec = n_ref / t_ref, n_spec / t_spec
     speedup = tps_spec / tps_ref
     print("\n===== summary")
-    print(f"prompts {len(prompts)}, max_new_tokens {args.max_new_tokens}, greedy, block {block}")
-    print(f"tau (mean accepted tokens per target forward, bonus included): {tau:.2f} over {len(steps)} steps")
-    from generation_output import per_slot_acceptance  # the one definition (README, bench, training)
-
-    shares = per_slot_acceptance(steps, block)
-    print("per-position acceptance (share of steps whose draft at slot k was accepted):")
-    print("  " + "  ".join(f"k{k}:{s:.2f}" for k, s in enumerate(shares, start=1)))
+    policy = "fixed blocks" if args.fixed_blocks else "verify-length policy (the default)"
+    print(f"prompts {len(prompts)}, max_new_tokens {args.max_new_tokens}, greedy, block {block}, {policy}")
+    print(f"tau (mean accepted tokens per target forward that drafted, bonus included): {tau:.2f} over {drafting} "
+          f"steps; plain steps (no draft pass) {pooled.plain_steps}")
+    shares = pooled.slot_acceptance()
+    print("per-position acceptance (share of the steps that drafted slot k whose draft at slot k was accepted):")
+    print("  " + "  ".join(f"k{k}:{'-' if s is None else f'{s:.2f}'}" for k, s in enumerate(shares, start=1)))
     print(f"target alone: {tps_ref:.1f} tok/s | DFlash: {tps_spec:.1f} tok/s | speedup {speedup:.2f}x"
           + (" (--quick: not a speed figure, see above)" if args.quick else ""))
     if args.json:
@@ -221,7 +240,7 @@ def run(args) -> int:
         record = acceptance_record(display_path(args.target), display_path(args.draft), block, args.dtype, str(device),
                                    dataset_name(args.dataset_name, None, args.prompts), len(prompts),
                                    args.max_new_tokens, 0.0, tau, None if args.quick else speedup,
-                                   transformers.__version__, notes="demo.py, speedup on wall-clock time")
+                                   transformers.__version__, notes="demo.py, fixed blocks, speedup on wall-clock time")
         write_acceptance(record, args.json)
         print(f"wrote {args.json}")
     return report_differences(mismatches, args.dtype, lambda t: tok.decode([t]))

@@ -48,7 +48,7 @@ try:
     from .target_families import FAMILY as _families
     from .target_taps import capture_target_features
     from .user_processors import check_copyable, is_user_processor
-    from .verify_policy import call_cost, policy_for
+    from .verify_policy import call_cost, check_adaptive, policy_for, policy_wanted
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
@@ -71,7 +71,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from target_families import FAMILY as _families
     from target_taps import capture_target_features
     from user_processors import check_copyable, is_user_processor
-    from verify_policy import call_cost, policy_for
+    from verify_policy import call_cost, check_adaptive, policy_for, policy_wanted
 
 logger = logging.get_logger(__name__)
 
@@ -137,7 +137,7 @@ def spec_generate(
     output_logits=NOT_PASSED,
     output_timings: bool = False,
     mask_token_id: Optional[int] = None,
-    adaptive_block_size: bool = False,
+    adaptive_block_size: Optional[bool] = None,
     verify_cost=None,
     draft_window: Optional[int] = None,
     inference_mode: bool = True,
@@ -201,14 +201,19 @@ def spec_generate(
         streamer: a transformers ``BaseStreamer`` (batch size 1): gets the prompt once, then each
             committed chunk, never a token past a stop.
         output_timings: add device-synchronised wall-clock timings (seconds) to the output.
-        adaptive_block_size: off by default. When True, the verify-length policy (``verify_policy.py``)
-            chooses each step how many drafted positions to verify, from the draft's probability of its own
-            tokens (a DSpark drafter's confidence head where it has one) and the cost of a verified position
-            on this target, device and batch width; a step may verify none (a plain target step without a
-            draft pass: ``row_draft_lengths`` 0, counted apart in ``plain_steps``). Outputs are unchanged.
-        verify_cost: with ``adaptive_block_size``, a ``verify_policy.StepCost`` to use instead of the table
-            measured once per target / drafter / device / batch and context bucket (and kept in
-            ``verify_policy.cost_file()``); pins the policy, e.g. for seeded sampling across machines.
+        adaptive_block_size: None (default) or True: the verify-length policy (``verify_policy.py``) chooses
+            each step how many drafted positions to verify, from the draft's probability of its own tokens (a
+            DSpark drafter's confidence head where it has one) and the cost of a verified position on this
+            target, device and batch width; a step may verify none (a plain target step without a draft pass:
+            ``row_draft_lengths`` 0, counted apart in ``plain_steps``). Outputs are unchanged. False: every
+            step drafts and verifies the whole block. The default runs the policy wherever it applies and
+            otherwise the fixed blocks without a word (the static loop, an integer ``tree_budget``); True asks
+            for it (one info log on the static loop, ValueError with an integer ``tree_budget``). The first
+            call of a shape measures the cost table (about 50 short greedy calls; seconds), see ``verify_cost``.
+        verify_cost: a ``verify_policy.StepCost`` for the policy, instead of ``$DFLASH_VERIFY_COST`` (the same
+            as JSON) or the table measured once per target / drafter / device / batch and context bucket and
+            kept in ``verify_policy.cost_file()``; pins the policy, e.g. for seeded sampling across machines.
+            ValueError with ``adaptive_block_size=False``.
         draft_window: None (default: the draft attends over the whole context), or an integer N >= 1: every
             draft layer attends to at most the last N context positions before the anchor, plus the block
             (a layer with its own ``sliding_window`` W keeps it too: W - 1 context positions before the
@@ -243,7 +248,7 @@ def spec_generate(
             target given its own prefix), so the output is unchanged: only acceptance changes. The block
             size bounds the tree's depth (``block_size - 1`` drafted slots; clamped near the end of the call
             as the chain's block is). ``sample_draft`` has no effect on trees. ``per_slot_acceptance`` then
-            counts per depth. Refused by name (ValueError): with ``adaptive_block_size``, the caller's own
+            counts per depth. Refused by name (ValueError): with ``adaptive_block_size=True``, the caller's own
             logits processors, hybrid linear-attention or flash-attention targets. With
             ``cache_implementation="static"`` the call runs the dynamic loop (one info log).
         confidence_threshold: DSpark drafters with a confidence head only (0, the default: the full block):
@@ -328,7 +333,8 @@ def spec_generate(
     block_size = trained if block_size is None else block_size
     _check_int("block_size", block_size, 1, trained)
     check_draft_window(draft_window)
-    check_tree(tree_budget, adaptive=adaptive_block_size, facts=facts)
+    check_adaptive(adaptive_block_size, verify_cost)
+    check_tree(tree_budget, adaptive=adaptive_block_size is True, facts=facts)
     if low_acceptance_warning is NOT_PASSED:
         low_acceptance_warning = getattr(generation_config or target.generation_config, "low_acceptance_warning", 0.1)
     if low_acceptance_warning is not None and (isinstance(low_acceptance_warning, bool) or not isinstance(
@@ -382,7 +388,7 @@ def spec_generate(
 
 
 def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, block_size, mask_token_id,
-               generator, sample_draft, streamer, output_timings, static=None, adaptive=False, inference_mode=True,
+               generator, sample_draft, streamer, output_timings, static=None, adaptive=None, inference_mode=True,
                passed_cache=None, vision=None, draft_window=None, facts=None, tree_budget=None, low_acceptance=None,
                confidence_threshold=0.0, verify_cost=None):
     """What runs inside ``generate`` (see ``_through_generate``): checks of the resolved call, then ``_decode``.
@@ -425,7 +431,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     static_decode = _static_loop(static, target, input_ids, mask, run, facts, block_size, adaptive, draft,
                                  tree=tree_budget is not None)
     cost = None  # the verify-length policy's StepCost, resolved before any forward of the call
-    if static_decode is None and (adaptive or tree_budget == "auto") and block_size > 1:
+    if static_decode is None and policy_wanted(adaptive, tree_budget) and block_size > 1:
         cost = call_cost(spec_generate, draft, target, facts, input_ids, budget, block_size,
                          AUTO_TREE_BUDGET if tree_budget == "auto" else None, draft_window, verify_cost)
     with torch.inference_mode(inference_mode):
@@ -535,7 +541,7 @@ def _static_loop(static, target, input_ids, mask, run, facts, block_size=1, adap
         reason = _families.rope_reach_reason(facts.rope, input_ids.shape[1], run.stops.budget or 1 << 40, block_size)
     if reason is None and tree:
         reason = "draft trees (tree_budget) run in the dynamic loop"
-    if reason is None and adaptive:
+    if reason is None and adaptive is True:  # the default (None) runs the fixed blocks here silently
         reason = "adaptive_block_size=True chooses the verified width every step; the fixed-shape loop verifies one size"
     if reason is not None:
         if static[0] == "static":

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from transformers.utils import logging
 
 try:
     from .draft_trees import first_nodes, path_probs
@@ -56,6 +57,9 @@ PRIOR_ACCEPTANCE = 0.8  # the first step's block assumes each slot is accepted w
 MEASURE_ROUNDS = 5  # a measured table takes the median of this many rounds per width
 _STEP = 8  # costs are rounded to steps of 2 ** (1 / _STEP)
 _TABLES: dict = {}  # this process's measured tables, by key ([`step_cost`])
+COST_ENV = "DFLASH_VERIFY_COST"  # a StepCost as JSON for every call without verify_cost ([`step_cost`])
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,31 @@ class FixedBlocks:
         pass
 
 
+def check_adaptive(adaptive_block_size, verify_cost) -> None:
+    """Refuse, before any forward, an ``adaptive_block_size`` that is not None / True / False, and a
+    ``verify_cost`` together with ``adaptive_block_size=False`` (it prices a policy that call turns off).
+
+    Raises:
+        ValueError: naming the value and what was expected.
+    """
+    if adaptive_block_size is not None and not isinstance(adaptive_block_size, bool):
+        raise ValueError(f"adaptive_block_size={adaptive_block_size!r} must be None (the default: the verify-length "
+                         "policy wherever it applies), True or False (fixed blocks)")
+    if adaptive_block_size is False and verify_cost is not None:
+        raise ValueError("verify_cost prices the verify-length policy, which adaptive_block_size=False turns off: "
+                         "drop one of them")
+
+
+def policy_wanted(adaptive_block_size, tree_budget) -> bool:
+    """Whether a dynamic-loop call runs the verify-length policy: ``adaptive_block_size=True`` or
+    ``tree_budget="auto"`` ask for it; None (the default) runs it wherever it applies, a chain or an ``"auto"``
+    tree, while an integer ``tree_budget`` verifies its fixed tree. (The fixed-shape static loop never runs it:
+    asked for explicitly there it logs once, by default it runs the fixed blocks silently.)"""
+    if adaptive_block_size is None:
+        return tree_budget is None or tree_budget == "auto"
+    return adaptive_block_size or tree_budget == "auto"
+
+
 def policy_for(proposer, block_size: int, cost: Optional[StepCost]):
     """The call's policy: [`FixedBlocks`] (every step the whole block), or with a ``cost``
     (``adaptive_block_size`` / ``tree_budget="auto"``) a [`VerifyPolicy`] on it, which also cuts the trees
@@ -283,7 +312,8 @@ def seconds_per_step(spec_generate, draft, target, device, block_size: int, tree
     shape = ({"block_size": 1} if width == 1 else {"block_size": width} if trees is None
              else {"block_size": block_size, "tree_budget": width - 1})
     kw = dict(attention_mask=mask, temperature=0.0, do_sample=False, low_acceptance_warning=None,
-              return_dict_in_generate=True, output_timings=True, draft_window=draft_window, **shape)
+              adaptive_block_size=False, return_dict_in_generate=True, output_timings=True, draft_window=draft_window,
+              **shape)
 
     def decode(new):  # (decode seconds, verify steps) of a call of `new` tokens
         out = spec_generate(draft, target, ids, max_new_tokens=new, **kw)
@@ -347,16 +377,23 @@ def _save(key: str, cost: StepCost) -> None:
 
 def step_cost(target, draft, device, dtype, batch: int, context: int, width: int, seconds_per_step,
               draft_window=None, given: Optional[StepCost] = None, tree_budget=None) -> StepCost:
-    """The [`StepCost`] of this call: ``given`` (``spec_generate``'s ``verify_cost``), else the table of this
-    target, drafter, device, dtype, CPU threads, batch and context buckets (powers of two), verify width,
-    draft window and tree budget: from this process, else from the cost file, else measured now
-    ([`measure`] with ``seconds_per_step(width, batch, context)``) and kept in both.
+    """The [`StepCost`] of this call: ``given`` (``spec_generate``'s ``verify_cost``), else the one in the
+    environment variable ``DFLASH_VERIFY_COST`` ([`env_cost`]), else the table of this target, drafter,
+    device, dtype, CPU threads, batch and context buckets (powers of two), verify width, draft window and tree
+    budget: from this process, else from the cost file, else measured now ([`measure`] with
+    ``seconds_per_step(width, batch, context)``, one info log) and kept in both.
 
-    Raises TypeError when ``given`` is neither None nor a ``StepCost``."""
+    Raises:
+        TypeError: ``given`` is neither None nor a ``StepCost``.
+        ValueError: ``DFLASH_VERIFY_COST`` is set but is not a StepCost's JSON.
+    """
     if given is not None:
         if not isinstance(given, StepCost):
             raise TypeError(f"verify_cost must be a verify_policy.StepCost, got {type(given).__name__}")
         return given
+    pinned = env_cost()
+    if pinned is not None:
+        return pinned
     batch, context = _bucket(batch), _bucket(max(context, 16))
     key = _key(target, draft, device, dtype, batch, context, width, draft_window) + f"/tree{tree_budget}"
     if key not in _TABLES:
@@ -364,9 +401,34 @@ def step_cost(target, draft, device, dtype, batch: int, context: int, width: int
         if stored is not None:
             _TABLES[key] = StepCost(tuple(stored["widths"]), tuple(stored["verify"]), stored["draft"])
         else:
+            logger.info(f"spec_generate: measuring the verify cost of {type(target).__name__} at batch {batch}, "
+                        f"context {context}, widths up to {width} (once per shape and machine, kept in {cost_file()}; "
+                        f"pass verify_cost= or set {COST_ENV} to skip it, adaptive_block_size=False for fixed blocks)")
             _TABLES[key] = measure(lambda w: seconds_per_step(w, batch, context), width)
             _save(key, _TABLES[key])
     return _TABLES[key]
+
+
+def env_cost() -> Optional[StepCost]:
+    """The [`StepCost`] in ``$DFLASH_VERIFY_COST`` (JSON ``{"widths": [1, ...], "verify": [1.0, ...], "draft":
+    0.0}``, the cost file's entry format; ``draft`` optional), or None when it is unset or empty. It pins the
+    policy of every call without ``verify_cost``, with no measurement (a CI run, seeded sampling across
+    machines). Read at each call, never kept.
+
+    Raises:
+        ValueError: naming the variable and its value, when it is not such a JSON object.
+    """
+    text = os.environ.get(COST_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+        return StepCost(tuple(value["widths"]), tuple(float(v) for v in value["verify"]),
+                        float(value.get("draft", 0.0)))
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{COST_ENV}={text!r} must be a JSON object like "
+                         f'{{"widths": [1, 16], "verify": [1.0, 2.5], "draft": 0.0}} (a verify_policy.StepCost): '
+                         f"{e}") from None
 
 
 def _widths(width: int) -> tuple:
@@ -396,6 +458,6 @@ def measure(seconds_per_step, width: int) -> StepCost:
     return StepCost(widths, tuple(costs), 0.0)
 
 
-__all__ = ["FixedBlocks", "PRIOR_ACCEPTANCE", "PROBE_BLOCK", "PROBE_LIMIT", "PROBE_PATIENCE", "StepCost",
-           "VerifyPolicy", "best_width", "call_cost", "cost_file", "measure", "policy_for", "seconds_per_step",
-           "step_cost"]
+__all__ = ["COST_ENV", "FixedBlocks", "PRIOR_ACCEPTANCE", "PROBE_BLOCK", "PROBE_LIMIT", "PROBE_PATIENCE", "StepCost",
+           "VerifyPolicy", "best_width", "call_cost", "check_adaptive", "cost_file", "env_cost", "measure", "policy_for",
+           "policy_wanted", "seconds_per_step", "step_cost"]

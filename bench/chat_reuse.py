@@ -33,7 +33,7 @@ def main(n_prompts=8, new=128, rounds=3):
     runs = {"no cache": [], "cache": [], "cache, no draft context": []}
     for i in range(n_prompts):
         first = draft.spec_generate(target, encode(texts[i]), max_new_tokens=new, temperature=0.0,
-                                    return_dict_in_generate=True)
+                                    return_dict_in_generate=True, adaptive_block_size=False)
         turn2 = torch.cat([first.sequences, encode("\n\n" + texts[i + 1])], dim=1)
         bare = copy.deepcopy(getattr(first, FIELD))
         del bare.dflash_draft_context
@@ -45,7 +45,7 @@ def main(n_prompts=8, new=128, rounds=3):
                 computed.clear()
                 start = time.perf_counter()
                 out = draft.spec_generate(target, turn2, max_new_tokens=new, temperature=0.0,
-                                          return_dict_in_generate=True, **kw)
+                                          return_dict_in_generate=True, adaptive_block_size=False, **kw)
                 seconds = time.perf_counter() - start
                 reference = out.sequences if reference is None else reference
                 assert torch.equal(out.sequences, reference), (i, name)

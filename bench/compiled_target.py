@@ -66,7 +66,7 @@ def main():
         return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **greedy)
 
     def dflash(ids, n):
-        return draft.spec_generate(target, ids, max_new_tokens=n, **greedy)
+        return draft.spec_generate(target, ids, max_new_tokens=n, adaptive_block_size=False, **greedy)
 
     alone(prompts[0], 8)
     eager_rate, ref = _rate(alone, prompts, a.new, device)

@@ -76,7 +76,7 @@ def run(draft, target, ids, new):
     timer.wrap(proposers.SelectorProposer, "choose", "proposal")
     try:
         out = draft.spec_generate(target, ids, max_new_tokens=new, temperature=0.0, stop_token_ids=[],
-                                  return_dict_in_generate=True, output_timings=True)
+                                  return_dict_in_generate=True, output_timings=True, adaptive_block_size=False)
     finally:
         timer.restore()
     steps = len(out.acceptance_lengths)

@@ -94,7 +94,8 @@ def run(draft, target, ids, new, **kwargs):
     timer.wrap(proposers, "confidence_logits", "confidence head")
     try:
         out = draft.spec_generate(target, ids, max_new_tokens=new, temperature=0.0, stop_token_ids=[],
-                                  return_dict_in_generate=True, output_timings=True, **kwargs)
+                                  return_dict_in_generate=True, output_timings=True,
+                                  **{"adaptive_block_size": False, **kwargs})
     finally:
         timer.restore()
     steps = len(out.acceptance_lengths)

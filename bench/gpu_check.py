@@ -170,7 +170,7 @@ def check_exactness(device, dtypes, static_config, new_tokens, n_prompts):
         draft = DFlashDraftModel.from_pretrained(ROOT / "pair" / "drafter", dtype=dtype).to(device).eval()
         paths = {static_name(static_config): dict(cache_implementation="static", compile_config=static_config)}
         if static_config is None:
-            paths = {"dynamic": {}, **paths}
+            paths = {"dynamic": {"adaptive_block_size": False}, **paths}  # fixed blocks; the policy's rows below
         paths.update({"tree@15": {"tree_budget": 15}, "tree@64": {"tree_budget": 64},  # draft trees (dynamic loop)
                       "adaptive": {"adaptive_block_size": True}, "tree@auto": {"tree_budget": "auto"}})  # the policy
         for k, text in enumerate(prompts):
@@ -212,7 +212,7 @@ def check_big_targets(device, new_tokens, n_prompts):
                 ids = tok(text, return_tensors="pt").input_ids.to(target.device)
                 ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
-                for name, extra in (("chain", {}), ("tree@15", {"tree_budget": 15})):
+                for name, extra in (("chain", {"adaptive_block_size": False}), ("tree@15", {"tree_budget": 15})):
                     out = draft.spec_generate(target, ids, max_new_tokens=new_tokens, temperature=0.0,
                                               stop_token_ids=[], return_dict_in_generate=True, **extra)
                     at, margin = first_divergence_margin(target, ref, out.sequences, ids.shape[1])
@@ -335,7 +335,8 @@ def check_speed(device, dtype, shape, draft_shape, prompt_len, new_tokens, compi
          second_call_s=round(second_s, 4), compile_s=compile_s, repeats=repeats,
          refused={"compile_s": compile_why} if compile_why else None)
     check_syncs(draft, target, ids, device, compile_config, sync_tokens)
-    runs = [("dynamic", 8, {}), ("dynamic", 16, {}), (static_name(compile_config), 16, static),
+    fixed = {"adaptive_block_size": False}
+    runs = [("dynamic", 8, fixed), ("dynamic", 16, fixed), (static_name(compile_config), 16, static),
             ("tree@15", 16, {"tree_budget": 15}), ("tree@64", 16, {"tree_budget": 64}),  # draft trees, dynamic loop
             ("adaptive", 16, {"adaptive_block_size": True}), ("tree@auto", 16, {"tree_budget": "auto"})]  # the policy,
     # its cost table measured on this GPU (verify_policy.cost_file), never a CPU figure
@@ -391,7 +392,8 @@ def count_syncs(fn, device):
 
 def check_syncs(draft, target, ids, device, compile_config, tokens):
     """Syncs of ``tokens`` new tokens minus those of 1 (the prefill), per verify step, random draft."""
-    for path, kwargs in (("dynamic", {}), (static_name(compile_config), dict(cache_implementation="static",
+    fixed = {"adaptive_block_size": False}
+    for path, kwargs in (("dynamic", fixed), (static_name(compile_config), dict(cache_implementation="static",
                                                                               compile_config=compile_config))):
         results = {}
         for n in (1, tokens):

@@ -27,7 +27,7 @@ from .cli import ROOT
 def contenders(draft, target, backends):
     def spec(**kw):
         return lambda ids, n: draft.spec_generate(target, ids, max_new_tokens=n, temperature=0.0, stop_token_ids=[],
-                                                  **kw)
+                                                  **{"adaptive_block_size": False, **kw})  # fixed blocks, both loops
 
     out = {"target.generate": lambda ids, n: target.generate(ids, attention_mask=torch.ones_like(ids),
                                                              max_new_tokens=n, do_sample=False, eos_token_id=None),

@@ -82,7 +82,8 @@ def split(run, target_clock: ForwardClock, draft_clock: ForwardClock) -> dict:
 
 
 def _package_run(draft, target, ids, new, block_size):
-    return lambda: draft.spec_generate(target, ids, max_new_tokens=new, block_size=block_size, do_sample=False)
+    return lambda: draft.spec_generate(target, ids, max_new_tokens=new, block_size=block_size, do_sample=False,
+                                       adaptive_block_size=False)
 
 
 def _reference_run(generate_fn, model, target, ids, new, block_size):

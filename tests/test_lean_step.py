@@ -38,20 +38,23 @@ def sync_counter(monkeypatch):
     return counts
 
 
-def test_batch_1_unpadded_step_syncs_only_for_the_acceptance_decision(sync_counter):
-    """Default config (greedy, eos only; no stop strings, processors or streamer): every extra verify
-    step costs exactly one host transfer, the one that carries the accepted count and tokens."""
+@pytest.mark.parametrize("adaptive, per_step", [(False, 1), (None, 2)])
+def test_batch_1_unpadded_step_syncs_only_for_the_acceptance_decision(sync_counter, adaptive, per_step):
+    """Default config (greedy, eos only; no stop strings, processors or streamer): with fixed blocks every
+    extra verify step costs exactly one host transfer, the one that carries the accepted count and tokens;
+    the default verify-length policy adds one, its cut (the draft's probabilities, read before the verify)."""
     target, draft = tiny_target(peaked=True), tiny_draft(block_size=8)
     target.generation_config.eos_token_id = VOCAB - 2  # a stop token that the check on the host must see
     ids = torch.randint(0, VOCAB - 3, (1, 7), generator=torch.Generator().manual_seed(0))
     runs = []
     for max_new in (12, 40):
         sync_counter.clear()
-        out = draft.spec_generate(target, ids, max_new_tokens=max_new, return_dict_in_generate=True)
+        out = draft.spec_generate(target, ids, max_new_tokens=max_new, return_dict_in_generate=True,
+                                  adaptive_block_size=adaptive)
         runs.append((len(out.acceptance_lengths), sum(sync_counter.values()), dict(sync_counter)))
     (steps_a, syncs_a, _), (steps_b, syncs_b, detail) = runs
     assert steps_b - steps_a >= 10, runs  # enough steps to see a per-step cost
-    assert syncs_b - syncs_a == steps_b - steps_a, runs  # one per step
+    assert syncs_b - syncs_a == per_step * (steps_b - steps_a), runs
 
 
 def test_a_batch_with_holes_keeps_its_masks_and_stays_exact():
@@ -94,7 +97,8 @@ def test_equal_length_batch_masks_from_the_first_step_rows_diverge(monkeypatch, 
     for new in (10, 18):
         sync_counter.clear()
         own[0] = 0
-        out = draft.spec_generate(target, ids, max_new_tokens=new, temperature=0.0, return_dict_in_generate=True)
+        out = draft.spec_generate(target, ids, max_new_tokens=new, temperature=0.0, return_dict_in_generate=True,
+                                  adaptive_block_size=False)  # the fixed step's transfers (the policy adds its cut)
         runs.append((out.num_target_forwards, sum(sync_counter.values()) - own[0]))
         for r in range(2):
             assert out.sequences[r, 7:].tolist() == refs[r][7: 7 + new].tolist(), (new, r)

@@ -138,34 +138,40 @@ def test_static_sampling_draws_what_the_dynamic_loop_draws():
     assert torch.equal(static, run(30 + 8)[:, : static.shape[1]])
 
 
-def test_generation_config_selects_the_static_loop(monkeypatch):
+def test_generation_config_selects_the_static_loop(monkeypatch, caplog):
+    """Also with the verify-length policy on by default (``adaptive_block_size`` not passed): the static loop
+    runs its fixed blocks without a word (asked for explicitly, the policy logs: the test below)."""
     target, draft = tiny_target(peaked=True), tiny_draft()
     calls = []
     real = static_generate.static_decode
     patch_called(monkeypatch, generation_utils, "static_decode", lambda *a, **k: calls.append(k) or real(*a, **k))
     target.generation_config.cache_implementation = "static"
-    out = draft.spec_generate(target, PROMPT, max_new_tokens=9, temperature=0.0)
+    with caplog.at_level(logging.INFO):
+        out = draft.spec_generate(target, PROMPT, max_new_tokens=9, temperature=0.0)
     assert len(calls) == 1 and calls[0]["compile_config"] is None
+    assert "falls back" not in caplog.text and "adaptive_block_size" not in caplog.text
     target.generation_config.cache_implementation = None
     assert torch.equal(out, draft.spec_generate(target, PROMPT, max_new_tokens=9, temperature=0.0)) and len(calls) == 1
 
 
-@pytest.mark.parametrize("case", ["batch", "sliding", "padding"])
+@pytest.mark.parametrize("case", ["batch", "sliding", "padding", "adaptive"])
 def test_unsupported_calls_fall_back_to_the_dynamic_loop_with_one_info_log(case, caplog, monkeypatch):
     monkeypatch.setattr(generation_utils, "static_decode", lambda *a, **k: pytest.fail("static loop used"))
-    draft, ids, mask = tiny_draft(), PROMPT, None
+    draft, ids, mask, extra = tiny_draft(), PROMPT, None, {}
     target = TARGETS["qwen3"]
     if case == "batch":
         ids = PROMPT.repeat(2, 1)
     elif case == "sliding":
         target = tiny_target(peaked=True, layer_types=["full_attention", "sliding_attention", "full_attention"],
                              sliding_window=4, use_sliding_window=True)
-    else:
+    elif case == "padding":
         mask = torch.ones_like(PROMPT)
         mask[0, 0] = 0
+    else:  # the verify-length policy asked for by name: the dynamic loop runs it
+        extra = {"adaptive_block_size": True}
     with caplog.at_level(logging.INFO):
         out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=7, temperature=0.0,
-                                  cache_implementation="static")
+                                  cache_implementation="static", **extra)
     logs = [r for r in caplog.records if "falls back to the dynamic loop" in r.getMessage()]
     assert len(logs) == 1 and logs[0].levelno == logging.INFO
     assert torch.equal(out, draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=7, temperature=0.0))

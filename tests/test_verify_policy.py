@@ -1,4 +1,4 @@
-"""The verify-length policy (``adaptive_block_size=True``, ``verify_policy.py``): driven by fake costs
+"""The verify-length policy (the default, ``adaptive_block_size=True``, ``verify_policy.py``): driven by fake costs
 (``verify_cost=StepCost(...)``), never by timings. Exactness with the policy on (greedy == generate on
 dense, sliding-window and hybrid targets in ragged batches; the sampled joint against the target's exact
 one); the three regimes (verify nothing: zero draft forwards; verify everything: the fixed block's steps;
@@ -7,6 +7,8 @@ plain steps; a chain cut per row (``Proposal.lengths``) drawing its bonus token 
 
 Planted bugs each test was shown to catch are listed in its docstring.
 """
+
+import json
 
 import pytest
 import torch
@@ -125,12 +127,61 @@ def test_a_cost_where_everything_pays_is_the_fixed_block(monkeypatch):
     target, draft = tiny_target(peaked=True), tiny_draft(block_size=BLOCK)
     ids = PROMPTS[0]
     install_oracle(monkeypatch, [_generate(target, ids, NEW)])
-    fixed = draft.spec_generate(target, ids, max_new_tokens=NEW, temperature=0.0, return_dict_in_generate=True)
+    fixed = draft.spec_generate(target, ids, max_new_tokens=NEW, temperature=0.0, return_dict_in_generate=True,
+                                adaptive_block_size=False)
     policy = draft.spec_generate(target, ids, max_new_tokens=NEW, temperature=0.0, adaptive_block_size=True,
                                  verify_cost=CHEAP, return_dict_in_generate=True)
     assert torch.equal(policy.sequences, fixed.sequences)
     assert policy.row_draft_lengths == fixed.row_draft_lengths
     assert policy.row_acceptance_lengths == fixed.row_acceptance_lengths
+
+
+def _cost_json(cost):
+    return json.dumps({"widths": list(cost.widths), "verify": list(cost.verify), "draft": cost.draft})
+
+
+def test_the_policy_is_the_default_and_false_gives_fixed_blocks(monkeypatch):
+    """``adaptive_block_size`` not passed runs the policy: under a cost where nothing pays, passed as
+    ``verify_cost`` or in ``$DFLASH_VERIFY_COST``, no draft forward runs; ``adaptive_block_size=False`` drafts
+    every step, whatever the variable says. All equal ``generate``. Planted bugs caught: the default resolving
+    to fixed blocks (a draft forward in the first two calls); the variable not read (the table is measured
+    instead: ``measure`` must not run)."""
+    target, draft = tiny_target(peaked=True), tiny_draft(block_size=BLOCK)
+    ids = PROMPTS[1]
+    ref = _generate(target, ids, NEW)
+    monkeypatch.setattr(verify_policy, "measure", lambda *a, **k: pytest.fail("a table was measured"))
+    by_arg = draft.spec_generate(target, ids, max_new_tokens=NEW, temperature=0.0, verify_cost=DEAR,
+                                 return_dict_in_generate=True)
+    monkeypatch.setenv(verify_policy.COST_ENV, _cost_json(DEAR))
+    by_env = draft.spec_generate(target, ids, max_new_tokens=NEW, temperature=0.0, return_dict_in_generate=True)
+    fixed = draft.spec_generate(target, ids, max_new_tokens=NEW, temperature=0.0, adaptive_block_size=False,
+                                return_dict_in_generate=True)
+    for out in (by_arg, by_env, fixed):
+        assert torch.equal(out.sequences, ref)
+    assert by_arg.num_draft_forwards == by_env.num_draft_forwards == 0 and by_env.plain_steps == NEW - 1
+    assert fixed.num_draft_forwards >= 5 and {len(r) for r in fixed.row_draft_lengths} == {fixed.num_target_forwards - 1}
+    assert max(fixed.row_draft_lengths[0]) == BLOCK - 1
+
+
+def test_bad_policy_arguments_are_refused_before_any_forward(monkeypatch):
+    """``adaptive_block_size`` other than None / True / False, ``verify_cost`` with the policy turned off, and a
+    ``$DFLASH_VERIFY_COST`` that is no StepCost's JSON are refused by name; an integer ``tree_budget`` under the
+    default runs its fixed tree (asked for with ``adaptive_block_size=True`` it is refused: test_trees.py)."""
+    target, draft = tiny_target(), tiny_draft(block_size=BLOCK)
+    ids = PROMPTS[0]
+    monkeypatch.setattr(target, "forward", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(ValueError, match="adaptive_block_size='yes' must be None"):
+        draft.spec_generate(target, ids, max_new_tokens=4, adaptive_block_size="yes")
+    with pytest.raises(ValueError, match="verify_cost.*adaptive_block_size=False"):
+        draft.spec_generate(target, ids, max_new_tokens=4, adaptive_block_size=False, verify_cost=DEAR)
+    for bad in ("{not json", '{"widths": [2], "verify": [1.0]}', '{"verify": [1.0]}', "[1, 2]"):
+        monkeypatch.setenv(verify_policy.COST_ENV, bad)
+        with pytest.raises(ValueError, match="DFLASH_VERIFY_COST="):
+            draft.spec_generate(target, ids, max_new_tokens=4)
+    monkeypatch.undo()
+    tree = draft.spec_generate(target, ids, max_new_tokens=NEW, temperature=0.0, tree_budget=4,
+                               return_dict_in_generate=True)
+    assert torch.equal(tree.sequences, _generate(target, ids, NEW)) and tree.num_draft_forwards > 0
 
 
 def _proposal(probs):
@@ -311,6 +362,7 @@ def test_the_measured_table_is_kept_and_reused(tmp_path, monkeypatch):
     """Without ``verify_cost`` the table is measured once, written to ``cost_file()`` and read back by a new
     process (the in-process tables cleared); a bad ``verify_cost`` is refused by name before any forward."""
     monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv(verify_policy.COST_ENV)  # conftest's pinned cost
     monkeypatch.setattr(verify_policy, "_TABLES", {})
     target, draft = tiny_target(), tiny_draft(block_size=BLOCK)
     measured = []
