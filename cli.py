@@ -80,6 +80,9 @@ def generate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, help="top-k sampling (with --temperature > 0)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, help="per-call block size (default: the drafter's)")
+    ap.add_argument("--fixed-blocks", action="store_true",
+                    help="every step verifies the whole block (adaptive_block_size=False) instead of the default "
+                         "verify-length policy, whose first call per shape measures a cost table")
     ap.add_argument("--enable-thinking", action="store_true", help="passed to the chat template (Qwen3 reads it)")
     ap.add_argument("--no-chat-template", action="store_true", help="continue PROMPT as plain text")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
@@ -129,12 +132,13 @@ def run_generate(args) -> int:
     text, how = prompt_text(tok, args.prompt, not args.no_chat_template, args.enable_thinking)
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     out = draft.spec_generate(target, ids, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                              return_dict_in_generate=True, **sampling_arguments(args))
+                              adaptive_block_size=not args.fixed_blocks, return_dict_in_generate=True,
+                              **sampling_arguments(args))
     new = out.sequences[0, ids.shape[1]:]
     print(tok.decode(new, skip_special_tokens=True))
-    steps = out.acceptance_lengths
-    print(f"{new.shape[0]} new tokens, tau {sum(steps) / max(len(steps), 1):.2f} over {len(steps)} target forwards "
-          f"({how})", file=sys.stderr)
+    drafting = len(out.acceptance_lengths) - out.plain_steps
+    print(f"{new.shape[0]} new tokens, tau {out.tau or 1.0:.2f} over {drafting} target forwards that drafted, "
+          f"{out.plain_steps} plain ({how})", file=sys.stderr)
     return 0
 
 

@@ -367,7 +367,8 @@ def test_the_measured_table_is_kept_and_reused(tmp_path, monkeypatch):
     target, draft = tiny_target(), tiny_draft(block_size=BLOCK)
     measured = []
     real = verify_policy.measure
-    monkeypatch.setattr(verify_policy, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
+    monkeypatch.setattr(verify_policy, "measure", lambda *a, **k: pytest.fail("measured twice (or nested)") if measured
+                        else measured.append(1) or real(*a, **k))
     ids = PROMPTS[0]
     first = draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0, adaptive_block_size=True)
     assert measured == [1] and (tmp_path / "verify_costs.json").exists()
