@@ -7,6 +7,7 @@
     python -m bench --batch-sizes 1,4,16 --block-sizes 16,8,4   # + ragged left-padded batches vs batched generate
     python -m bench --sweep 512,1024 --draft-window 256  # + package@B/window256 (spec_generate(draft_window=256))
     python -m bench --tree-budgets 15,32,64            # + tree@N: spec_generate(tree_budget=N), draft trees
+    python -m bench --tree-budgets 15,auto             # + tree@auto: trees sized by the verify-length policy
     python -m bench --tree-budgets 15,32 --ddtree-dir DDTREE_DIR  # + ddtree@N from a local copy of DDTree's code
     python -m bench --dataset gsm8k --chat-template   # an evaluation set through `datasets` (needs the Hub)
 
@@ -72,7 +73,8 @@ def parse_args(argv=None, prog: str = "python -m bench"):
     ap.add_argument("--sweep-prompts", type=int, default=8)
     ap.add_argument("--sweep-rounds", type=int, default=3)
     ap.add_argument("--tree-budgets", default="",
-                    help="also run tree@N (spec_generate(tree_budget=N), at the first --block-sizes) for each N")
+                    help="also run tree@N (spec_generate(tree_budget=N), at the first --block-sizes) for each N; "
+                         "'auto': tree@auto, trees sized by the verify-length policy")
     ap.add_argument("--ddtree-dir", help="local copy of liranringel/ddtree: adds ddtree@N for each --tree-budgets N")
     ap.add_argument("--draft-window", type=int, metavar="N",
                     help="also run package@B/windowN: spec_generate(draft_window=N), interleaved with package@B")
@@ -120,13 +122,20 @@ def parse_args(argv=None, prog: str = "python -m bench"):
                  "leave --ddtree-dir out")
     for flag in ("sweep", "block_sizes", "adaptive_block_sizes", "batch_sizes", "tree_budgets"):
         text = getattr(args, flag)
-        if not all(x.strip().isdigit() and int(x) > 0 for x in text.split(",") if x.strip()) or (
+        words = [x for x in text.split(",") if x.strip() and not (flag == "tree_budgets" and x.strip() == "auto")]
+        if not all(x.strip().isdigit() and int(x) > 0 for x in words) or (
                 flag == "block_sizes" and not text.strip()):
-            ap.error(f"--{flag.replace('_', '-')} {text!r}: expected positive integers separated by commas")
+            ap.error(f"--{flag.replace('_', '-')} {text!r}: expected positive integers separated by commas"
+                     + (" (or 'auto')" if flag == "tree_budgets" else ""))
     return args
 
 
 CONTENDERS = ("target", "package", "prompt_lookup", "native", "reference", "baseline", "adaptive")
+
+
+def tree_budgets(args) -> list:
+    """``--tree-budgets`` as ``spec_generate(tree_budget=...)`` values: integers, and ``"auto"`` (the policy's)."""
+    return [w if w == "auto" else int(w) for w in _names(args.tree_budgets)]
 
 
 def _names(text: str) -> list[str]:
@@ -175,11 +184,13 @@ def build_contenders(args, target, draft, device, dtype) -> list:
             out.append(C.Contender("native", C.native(draft, target), draft.config.block_size))
         else:
             print("skipped native: this transformers has no DFlashTokenCandidateGenerator", file=sys.stderr)
-    budgets = [int(n) for n in args.tree_budgets.split(",") if n.strip()]
-    out += [C.Contender(f"tree@{n}", C.package(draft, target, blocks[0], tree_budget=n), blocks[0]) for n in budgets]
-    if args.ddtree_dir and budgets:
+    budgets = tree_budgets(args)
+    out += [C.Contender(f"tree@{n}", C.package(draft, target, blocks[0], tree_budget=n), blocks[0],
+                        warm_every_prompt=n == "auto") for n in budgets]  # "auto": the policy's tables, measured first
+    fixed = [n for n in budgets if n != "auto"]
+    if args.ddtree_dir and fixed:
         fn, model = C.load_ddtree(args.ddtree_dir, args.draft, dtype, device)
-        out += [C.Contender(f"ddtree@{n}", C.ddtree(fn, model, target, blocks[0], n), blocks[0]) for n in budgets]
+        out += [C.Contender(f"ddtree@{n}", C.ddtree(fn, model, target, blocks[0], n), blocks[0]) for n in fixed]
     if "reference" in want and args.reference_dir:
         fn, ref = C.load_reference(args.reference_dir, args.draft, dtype, device)
         out += [C.Contender(f"reference@{b}", C.reference(fn, ref, target, b), b) for b in blocks]
@@ -315,7 +326,7 @@ def batch_runs(args, target, draft, prompts: list, sampling: dict, clock: str, g
     for b in _adaptive_blocks(args) if "adaptive" in want else []:
         cons[f"adaptive@{b}"] = (B.package_contender(draft, target, b, dict(package_kw, adaptive_block_size=True)), b,
                                  None)
-    for n in [int(x) for x in args.tree_budgets.split(",") if x.strip()]:
+    for n in tree_budgets(args):
         cons[f"tree@{n}"] = (B.package_contender(draft, target, blocks[0], dict(package_kw, tree_budget=n)), blocks[0],
                              None)
     if "prompt_lookup" in want:

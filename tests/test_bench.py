@@ -134,13 +134,14 @@ def test_benchmark_smoke_on_the_embedded_pair(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     report = run(parse_args(["--num-prompts", "1", "--max-new-tokens", "24", "--rounds", "1", "--block-sizes", "8",
                    "--contenders", "target,package,adaptive,prompt_lookup,native", "--sweep", "48", "--draft-window", "8",
-                   "--tree-budgets", "6",
+                   "--tree-budgets", "6,auto",
                    "--sweep-prompts", "1", "--sweep-rounds", "1", "--out", str(out), "--plot", str(png),
                    "--no-progress"]))
     saved = json.loads(out.read_text())
     assert png.stat().st_size > 0 and saved["main"] == json.loads(json.dumps(report["main"]))
     main_ = saved["main"]["contenders"]
-    expect = {"target.generate", "package@8", "package@8/window8", "adaptive@8", "prompt_lookup", "tree@6"} | (
+    expect = {"target.generate", "package@8", "package@8/window8", "adaptive@8", "prompt_lookup", "tree@6",
+              "tree@auto"} | (
         {"native"} if contenders.native_supported() else set())
     assert set(main_) == expect
     assert main_["target.generate"]["tau"] == 1.0 and main_["target.generate"]["speedup"] == 1.0
@@ -196,6 +197,7 @@ def test_top_k_reaches_every_sampling_contender_and_refuses_the_authors_loop(tmp
     (["--top-k", "50"], "> 0 only with --temperature > 0"),
     (["--top-k", "-1", "--temperature", "0.7"], "--top-k -1: expected an integer >= 0"),
     (["--tree-budgets", "15,0"], "--tree-budgets '15,0'"),
+    (["--tree-budgets", "15,Auto"], "--tree-budgets '15,Auto': expected positive integers separated by commas (or 'auto')"),
     (["--ddtree-dir", ".", "--tree-budgets", "15"], "with ddtree.py"),
 ])
 def test_bench_bad_arguments_stop_before_any_work(argv, expected, capsys):
