@@ -1,5 +1,5 @@
 """Verify what pays: how many drafted positions each step verifies, from the draft's own confidence and the
-measured cost of a verified position (``spec_generate(adaptive_block_size=True)``).
+measured cost of a verified position (``spec_generate``'s default; ``adaptive_block_size=False`` turns it off).
 
 A verify step of ``w`` drafted positions at batch width ``A`` costs ``draft + verify(w + 1)`` plain target
 steps ([`StepCost`]) and commits, per row, ``1 + E_r(w)`` tokens on average, where
@@ -18,11 +18,11 @@ block that would pay best if each slot were accepted with ``PRIOR_ACCEPTANCE`` (
 block. Only what is proposed changes: every committed token is still the target's own (greedy) or exactly
 its distribution.
 
-Where the cost comes from ([`step_cost`]): the caller's ``verify_cost`` (a [`StepCost`]), else one
-measurement of the call's own loop (``spec_generate`` with fixed blocks of 1, 2, 4 ... positions, greedy,
-on random tokens from a fixed seed) at the call's batch width and context length (both rounded up to a
-power of two), made before the call's first forward and kept for the process
-and in a JSON file (``$DFLASH_HF_CACHE`` or ``$HF_HOME/dflash_hf``, file ``verify_costs.json``), so that later
+Where the cost comes from ([`step_cost`]): the caller's ``verify_cost`` (a [`StepCost`]), else the same as
+JSON in ``$DFLASH_VERIFY_COST`` ([`env_cost`]), else one measurement of the call's own loop
+(``spec_generate`` with fixed blocks of 1, 2, 4 ... positions, greedy, on random tokens from a fixed seed)
+at the call's batch width and context length (both rounded up to a power of two), made before the call's
+first forward and kept for the process and in a JSON file (``$DFLASH_HF_CACHE`` or ``$HF_HOME/dflash_hf``, file ``verify_costs.json``), so that later
 calls and later processes on the machine reuse the same table: the policy, and with it a seeded sampled
 call's tokens, then depend only on the seed. Costs are ratios to a plain step on that device, rounded to
 steps of 2^(1/8); nothing is timed inside a model's forward.
@@ -244,8 +244,9 @@ class FixedBlocks:
 
 
 def check_adaptive(adaptive_block_size, verify_cost) -> None:
-    """Refuse, before any forward, an ``adaptive_block_size`` that is not None / True / False, and a
-    ``verify_cost`` together with ``adaptive_block_size=False`` (it prices a policy that call turns off).
+    """Refuse, before any forward, an ``adaptive_block_size`` that is not None / True / False, a
+    ``verify_cost`` together with ``adaptive_block_size=False`` (it prices a policy that call turns off), and
+    a malformed ``$DFLASH_VERIFY_COST`` for a call that would read it ([`env_cost`]).
 
     Raises:
         ValueError: naming the value and what was expected.
@@ -256,6 +257,8 @@ def check_adaptive(adaptive_block_size, verify_cost) -> None:
     if adaptive_block_size is False and verify_cost is not None:
         raise ValueError("verify_cost prices the verify-length policy, which adaptive_block_size=False turns off: "
                          "drop one of them")
+    if adaptive_block_size is not False and verify_cost is None:
+        env_cost()  # a malformed $DFLASH_VERIFY_COST is refused here, before generate() is entered
 
 
 def policy_wanted(adaptive_block_size, tree_budget) -> bool:
