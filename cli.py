@@ -137,7 +137,8 @@ def run_generate(args) -> int:
     new = out.sequences[0, ids.shape[1]:]
     print(tok.decode(new, skip_special_tokens=True))
     drafting = len(out.acceptance_lengths) - out.plain_steps
-    print(f"{new.shape[0]} new tokens, tau {out.tau or 1.0:.2f} over {drafting} target forwards that drafted, "
+    tau = "-" if out.tau is None else f"{out.tau:.2f}"  # None: no step drafted
+    print(f"{new.shape[0]} new tokens, tau {tau} over {drafting} target forwards that drafted, "
           f"{out.plain_steps} plain ({how})", file=sys.stderr)
     return 0
 

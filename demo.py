@@ -210,10 +210,10 @@ def run(args) -> int:
         same = out.sequences.tolist() == ref.tolist()
         if not same:
             mismatches.append((p.get("path", p["id"]), first_difference(ref, out.sequences, ids.shape[1])))
-        tau_p = out.tau or 1.0
+        tau_p = "-" if out.tau is None else f"{out.tau:.2f}"
         if not args.quiet:
             label = f"{p['path']} :: {p['name']}" if "path" in p and "name" in p else p["id"]
-            print(f"\n----- {label}  (tau {tau_p:.2f}, {'identical' if same else 'DIFFERENT'})")
+            print(f"\n----- {label}  (tau {tau_p}, {'identical' if same else 'DIFFERENT'})")
             bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")  # generated text in bold
             print(p["turns"][0] + bold + tok.decode(out.sequences[0, ids.shape[1]:]) + plain)
 
@@ -221,13 +221,14 @@ def run(args) -> int:
 
     pooled = DFlashGenerateOutput(sequences=None, row_acceptance_lengths=rows["lengths"],
                                   row_draft_lengths=rows["drafted"], row_accepted_drafts=rows["accepted"])  # a prompt a row
-    tau, drafting = pooled.tau or 1.0, sum(d > 0 for row in rows["drafted"] for d in row)
+    tau, drafting = pooled.tau, sum(d > 0 for row in rows["drafted"] for d in row)  # tau None: no step drafted
     tps_ref, tps_spec = n_ref / t_ref, n_spec / t_spec
     speedup = tps_spec / tps_ref
     print("\n===== summary")
     policy = "fixed blocks" if args.fixed_blocks else "verify-length policy (the default)"
     print(f"prompts {len(prompts)}, max_new_tokens {args.max_new_tokens}, greedy, block {block}, {policy}")
-    print(f"tau (mean accepted tokens per target forward that drafted, bonus included): {tau:.2f} over {drafting} "
+    print(f"tau (mean accepted tokens per target forward that drafted, bonus included): "
+          f"{'-' if tau is None else f'{tau:.2f}'} over {drafting} "
           f"steps; plain steps (no draft pass) {pooled.plain_steps}")
     shares = pooled.slot_acceptance()
     print("per-position acceptance (share of the steps that drafted slot k whose draft at slot k was accepted):")
@@ -239,7 +240,7 @@ def run(args) -> int:
 
         record = acceptance_record(display_path(args.target), display_path(args.draft), block, args.dtype, str(device),
                                    dataset_name(args.dataset_name, None, args.prompts), len(prompts),
-                                   args.max_new_tokens, 0.0, tau, None if args.quick else speedup,
+                                   args.max_new_tokens, 0.0, 1.0 if tau is None else tau, None if args.quick else speedup,
                                    transformers.__version__, notes="demo.py, fixed blocks, speedup on wall-clock time")
         write_acceptance(record, args.json)
         print(f"wrote {args.json}")

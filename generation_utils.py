@@ -333,7 +333,7 @@ def spec_generate(
     block_size = trained if block_size is None else block_size
     _check_int("block_size", block_size, 1, trained)
     check_draft_window(draft_window)
-    check_adaptive(adaptive_block_size, verify_cost)
+    check_adaptive(adaptive_block_size, verify_cost, tree_budget)
     check_tree(tree_budget, adaptive=adaptive_block_size is True, facts=facts)
     if low_acceptance_warning is NOT_PASSED:
         low_acceptance_warning = getattr(generation_config or target.generation_config, "low_acceptance_warning", 0.1)
@@ -431,7 +431,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
     static_decode = _static_loop(static, target, input_ids, mask, run, facts, block_size, adaptive, draft,
                                  tree=tree_budget is not None)
     cost = None  # the verify-length policy's StepCost, resolved before any forward of the call
-    if static_decode is None and policy_wanted(adaptive, tree_budget) and block_size > 1:
+    if static_decode is None and policy_wanted(adaptive, tree_budget) and block_size > 1 and budget > 1:
         cost = call_cost(spec_generate, draft, target, facts, input_ids, budget, block_size,
                          AUTO_TREE_BUDGET if tree_budget == "auto" else None, draft_window, verify_cost)
     with torch.inference_mode(inference_mode):

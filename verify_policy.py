@@ -81,11 +81,17 @@ class StepCost:
     draft: float = 0.0
 
     def __post_init__(self):
-        if (len(self.widths) != len(self.verify) or not self.widths or self.widths[0] != 1
-                or list(self.widths) != sorted(set(self.widths)) or self.verify[0] != 1.0
-                or not all(v > 0 and math.isfinite(v) for v in self.verify) or not self.draft >= 0):
-            raise ValueError(f"StepCost(widths={self.widths}, verify={self.verify}, draft={self.draft}) needs "
-                             "increasing widths from 1, verify[0] == 1.0, positive finite costs and draft >= 0")
+        faults = [why for bad, why in (
+            (len(self.widths) != len(self.verify), f"{len(self.widths)} widths but {len(self.verify)} verify costs"),
+            (not self.widths or self.widths[0] != 1, "widths must start at 1"),
+            (list(self.widths) != sorted(set(self.widths)), "widths must increase"),
+            (not self.verify or self.verify[0] != 1.0, "verify[0] must be 1.0 (a plain step)"),
+            (not all(isinstance(v, (int, float)) and v > 0 and math.isfinite(v) for v in self.verify),
+             "verify costs must be positive finite numbers"),
+            (not (isinstance(self.draft, (int, float)) and self.draft >= 0), "draft must be a number >= 0")) if bad]
+        if faults:
+            raise ValueError(f"StepCost(widths={self.widths}, verify={self.verify}, draft={self.draft}): "
+                             + "; ".join(faults))
 
     def step(self, drafted: int) -> float:
         """Cost of a step verifying ``drafted`` drafted positions (0: a plain step, 1.0)."""
@@ -243,9 +249,10 @@ class FixedBlocks:
         pass
 
 
-def check_adaptive(adaptive_block_size, verify_cost) -> None:
+def check_adaptive(adaptive_block_size, verify_cost, tree_budget=None) -> None:
     """Refuse, before any forward, an ``adaptive_block_size`` that is not None / True / False, a
-    ``verify_cost`` together with ``adaptive_block_size=False`` (it prices a policy that call turns off), and
+    ``verify_cost`` or ``tree_budget="auto"`` together with ``adaptive_block_size=False`` (both need the policy
+    that call turns off), and
     a malformed ``$DFLASH_VERIFY_COST`` for a call that would read it ([`env_cost`]).
 
     Raises:
@@ -257,6 +264,9 @@ def check_adaptive(adaptive_block_size, verify_cost) -> None:
     if adaptive_block_size is False and verify_cost is not None:
         raise ValueError("verify_cost prices the verify-length policy, which adaptive_block_size=False turns off: "
                          "drop one of them")
+    if adaptive_block_size is False and tree_budget == "auto":
+        raise ValueError("tree_budget='auto' sizes trees by the verify-length policy, which adaptive_block_size=False "
+                         "turns off: pass an integer tree_budget for fixed trees, or drop adaptive_block_size=False")
     if adaptive_block_size is not False and verify_cost is None:
         env_cost()  # a malformed $DFLASH_VERIFY_COST is refused here, before generate() is entered
 
@@ -358,9 +368,10 @@ def cost_file() -> str:
 def _load_file() -> dict:
     try:
         with open(cost_file()) as f:
-            return json.load(f)
+            tables = json.load(f)
     except (OSError, ValueError):
         return {}
+    return tables if isinstance(tables, dict) else {}
 
 
 def _save(key: str, cost: StepCost) -> None:
@@ -374,8 +385,23 @@ def _save(key: str, cost: StepCost) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(tables, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
-    except OSError:  # a read-only home: the table stays in this process
-        pass
+    except OSError as e:  # a read-only home: the table stays in this process
+        logger.warning(f"cannot write the verify cost table to {path} ({e}): it stays in this process, and a new "
+                       f"process measures it again; set DFLASH_HF_CACHE to a writable folder, or {COST_ENV}")
+
+
+def _stored(key: str) -> Optional[StepCost]:
+    """The cost file's table for ``key``, or None: absent, or damaged (then measured again and rewritten, with
+    one warning naming the file: a hand-edited entry must not break every later call)."""
+    stored = _load_file().get(key)
+    if stored is None:
+        return None
+    try:
+        return _from_json(stored)
+    except (ValueError, TypeError, KeyError) as e:
+        logger.warning(f"{cost_file()}: the verify cost table {key} is damaged ({type(e).__name__}: {e}); "
+                       "measuring it again")
+        return None
 
 
 def step_cost(target, draft, device, dtype, batch: int, context: int, width: int, seconds_per_step,
@@ -400,9 +426,9 @@ def step_cost(target, draft, device, dtype, batch: int, context: int, width: int
     batch, context = _bucket(batch), _bucket(max(context, 16))
     key = _key(target, draft, device, dtype, batch, context, width, draft_window) + f"/tree{tree_budget}"
     if key not in _TABLES:
-        stored = _load_file().get(key)
+        stored = _stored(key)
         if stored is not None:
-            _TABLES[key] = StepCost(tuple(stored["widths"]), tuple(stored["verify"]), stored["draft"])
+            _TABLES[key] = stored
         else:
             logger.info(f"spec_generate: measuring the verify cost of {type(target).__name__} at batch {batch}, "
                         f"context {context}, widths up to {width} (once per shape and machine, kept in {cost_file()}; "
@@ -425,13 +451,27 @@ def env_cost() -> Optional[StepCost]:
     if not text:
         return None
     try:
-        value = json.loads(text)
-        return StepCost(tuple(value["widths"]), tuple(float(v) for v in value["verify"]),
-                        float(value.get("draft", 0.0)))
+        return _from_json(json.loads(text))
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ValueError(f"{COST_ENV}={text!r} must be a JSON object like "
-                         f'{{"widths": [1, 16], "verify": [1.0, 2.5], "draft": 0.0}} (a verify_policy.StepCost): '
-                         f"{e}") from None
+                         f'{{"widths": [1, 16], "verify": [1.0, 2.5], "draft": 0.0}} (a verify_policy.StepCost; '
+                         f'"draft" optional, 0 by default): {type(e).__name__}: {e}') from None
+
+
+def _from_json(value) -> StepCost:
+    """A [`StepCost`] from its JSON object (the cost file's entries, ``$DFLASH_VERIFY_COST``).
+
+    Raises:
+        ValueError: not an object, a key other than widths / verify / draft, or a key missing.
+        TypeError: a value of the wrong type.
+    """
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+    unknown, missing = set(value) - {"widths", "verify", "draft"}, {"widths", "verify"} - set(value)
+    if unknown or missing:
+        raise ValueError(f"unknown keys {sorted(unknown)}" if unknown else f"missing keys {sorted(missing)}")
+    return StepCost(tuple(int(w) for w in value["widths"]), tuple(float(v) for v in value["verify"]),
+                    float(value.get("draft", 0.0)))
 
 
 def _widths(width: int) -> tuple:

@@ -113,7 +113,7 @@ def check_pair(draft, target, draft_flag: str, target_flag: str, draft_path: str
 
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     try:
-        draft.spec_generate(target, ids, max_new_tokens=1, temperature=0.0)
+        draft.spec_generate(target, ids, max_new_tokens=1, temperature=0.0, adaptive_block_size=False)
     except ValueError as err:
         first = (str(err).strip().splitlines() or ["ValueError"])[0]
         drafter = f"{draft_flag} {draft_path}".strip()

@@ -174,10 +174,16 @@ def test_bad_policy_arguments_are_refused_before_any_forward(monkeypatch):
         draft.spec_generate(target, ids, max_new_tokens=4, adaptive_block_size="yes")
     with pytest.raises(ValueError, match="verify_cost.*adaptive_block_size=False"):
         draft.spec_generate(target, ids, max_new_tokens=4, adaptive_block_size=False, verify_cost=DEAR)
-    for bad in ("{not json", '{"widths": [2], "verify": [1.0]}', '{"verify": [1.0]}', "[1, 2]"):
+    for bad in ("{not json", '{"widths": [2], "verify": [1.0]}', '{"verify": [1.0]}', "[1, 2]",
+                '{"widths": [1, 2], "verify": [1.0, 1.5], "darft": 1.0}'):
         monkeypatch.setenv(verify_policy.COST_ENV, bad)
         with pytest.raises(ValueError, match="DFLASH_VERIFY_COST="):
             draft.spec_generate(target, ids, max_new_tokens=4)
+    monkeypatch.delenv(verify_policy.COST_ENV)
+    with pytest.raises(ValueError, match="tree_budget='auto'.*adaptive_block_size=False"):
+        draft.spec_generate(target, ids, max_new_tokens=4, adaptive_block_size=False, tree_budget="auto")
+    with pytest.raises(ValueError, match="2 widths but 1 verify costs"):
+        StepCost((1, 16), (1.0,), 0.0)
     monkeypatch.undo()
     tree = draft.spec_generate(target, ids, max_new_tokens=NEW, temperature=0.0, tree_budget=4,
                                return_dict_in_generate=True)
@@ -380,6 +386,40 @@ def test_the_measured_table_is_kept_and_reused(tmp_path, monkeypatch):
         draft.spec_generate(target, ids, max_new_tokens=4, adaptive_block_size=True, verify_cost={"draft": 1})
     with pytest.raises(ValueError, match="StepCost"):
         StepCost((2, 4), (1.0, 2.0), 0.1)
+
+
+def test_a_damaged_or_unwritable_cost_file_is_measured_again_with_a_warning(tmp_path, monkeypatch, caplog):
+    """A hand-edited entry of the cost file is measured again (one warning naming the file) rather than breaking
+    every later call; a cost folder that cannot be written keeps the table in the process with one warning; a call
+    of one new token (no verify step: the prefill gives it) measures nothing."""
+    monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv(verify_policy.COST_ENV)
+    monkeypatch.setattr(verify_policy, "_TABLES", {})
+    monkeypatch.setattr(verify_policy, "MEASURE_ROUNDS", 1)
+    target, draft = tiny_target(), tiny_draft(block_size=4)
+    ids = PROMPTS[0]
+    measured = []
+    real = verify_policy.measure
+    monkeypatch.setattr(verify_policy, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
+    draft.spec_generate(target, ids, max_new_tokens=1, temperature=0.0)
+    assert measured == [] and not (tmp_path / "verify_costs.json").exists()
+    first = draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0)
+    path = tmp_path / "verify_costs.json"
+    tables = json.loads(path.read_text())
+    path.write_text(json.dumps({k: "hello" for k in tables}))
+    monkeypatch.setattr(verify_policy, "_TABLES", {})
+    with caplog.at_level("WARNING"):
+        again = draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0)
+    assert measured == [1, 1] and torch.equal(first, again) and torch.equal(first, _generate(target, ids, 12))
+    assert "is damaged" in caplog.text and str(path) in caplog.text
+    assert all(isinstance(v, dict) for v in json.loads(path.read_text()).values())  # rewritten
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path / "a_file" / "sub"))
+    monkeypatch.setattr(verify_policy, "_TABLES", {})
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0)
+    assert measured == [1, 1, 1] and "cannot write the verify cost table" in caplog.text
 
 
 def test_a_measured_table_takes_the_median_round_and_leaves_the_first_step_out():
