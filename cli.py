@@ -132,8 +132,8 @@ def run_generate(args) -> int:
     text, how = prompt_text(tok, args.prompt, not args.no_chat_template, args.enable_thinking)
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     out = draft.spec_generate(target, ids, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                              adaptive_block_size=not args.fixed_blocks, return_dict_in_generate=True,
-                              **sampling_arguments(args))
+                              adaptive_block_size=False if args.fixed_blocks else None,  # None: the default
+                              return_dict_in_generate=True, **sampling_arguments(args))
     new = out.sequences[0, ids.shape[1]:]
     print(tok.decode(new, skip_special_tokens=True))
     drafting = len(out.acceptance_lengths) - out.plain_steps

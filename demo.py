@@ -181,7 +181,8 @@ def run(args) -> int:
 
     def speculative(ids, n):
         return draft.spec_generate(target, ids, max_new_tokens=n, temperature=0.0, block_size=block,
-                                   adaptive_block_size=not args.fixed_blocks, return_dict_in_generate=True)
+                                   adaptive_block_size=False if args.fixed_blocks else None,  # None: the default
+                                   return_dict_in_generate=True)
 
     # warm-up (allocator, kernels, lazy imports) for both paths; the policy's cost table of each prompt's shape
     # is measured on a machine's first run, so every prompt runs once at full length before the timed runs

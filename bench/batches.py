@@ -58,7 +58,8 @@ def generate_contender(target, kw: dict, **extra):
 def package_contender(draft, target, block_size: int, kw: dict):
     """Batched ``spec_generate`` at ``block_size``, fixed blocks unless ``kw`` sets ``adaptive_block_size``:
     returns (new tokens per row, acceptance lengths per row, drafted positions per row)."""
-    kw = {"adaptive_block_size": False, **kw}
+    if kw.get("tree_budget") != "auto":  # "auto" is the policy's own tree
+        kw = {"adaptive_block_size": False, **kw}
 
     def run(ids, mask, max_new_tokens):
         out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=max_new_tokens,

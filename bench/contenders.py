@@ -78,8 +78,9 @@ def target_generate(target, **extra) -> Callable:
 
 def package(draft, target, block_size: int, **options) -> Callable:
     """``draft.spec_generate`` at ``block_size``: fixed blocks (``adaptive_block_size=False``) unless ``options``
-    say otherwise; ``options`` go to ``spec_generate`` as they are."""
-    options = {"adaptive_block_size": False, **options}
+    say otherwise or ask for ``tree_budget="auto"``; ``options`` go to ``spec_generate`` as they are."""
+    if options.get("tree_budget") != "auto":  # "auto" is the policy's own tree
+        options = {"adaptive_block_size": False, **options}
 
     def run(ids, max_new_tokens, sampling):
         out = draft.spec_generate(target, ids, max_new_tokens=max_new_tokens, block_size=block_size,
