@@ -22,10 +22,11 @@ Where the cost comes from ([`step_cost`]): the caller's ``verify_cost`` (a [`Ste
 JSON in ``$DFLASH_VERIFY_COST`` ([`env_cost`]), else one measurement of the call's own loop
 (``spec_generate`` with fixed blocks of 1, 2, 4 ... positions, greedy, on random tokens from a fixed seed)
 at the call's batch width and context length (both rounded up to a power of two), made before the call's
-first forward and kept for the process and in a JSON file (``$DFLASH_HF_CACHE`` or ``$HF_HOME/dflash_hf``, file ``verify_costs.json``), so that later
-calls and later processes on the machine reuse the same table: the policy, and with it a seeded sampled
-call's tokens, then depend only on the seed. Costs are ratios to a plain step on that device, rounded to
-steps of 2^(1/8); nothing is timed inside a model's forward.
+first forward and kept for the process and in a JSON file (``verify_costs.json`` in the folder
+``$DFLASH_HF_CACHE``, else ``$HF_HOME/dflash_hf``), so that later calls and later processes on the
+machine reuse the same table: the policy, and with it a seeded sampled call's tokens, then depend only on
+the seed. Costs are ratios to a plain step on that device, rounded to steps of 2^(1/8); nothing is timed
+inside a model's forward.
 
 Sources: issue "Verify what pays"; vLLM's adaptive verification (PR #47808: per-slot survival
 probabilities and a token budget from a startup cost profile); DSpark (arXiv 2607.05147) for the
@@ -272,13 +273,14 @@ def check_adaptive(adaptive_block_size, verify_cost, tree_budget=None) -> None:
 
 
 def policy_wanted(adaptive_block_size, tree_budget) -> bool:
-    """Whether a dynamic-loop call runs the verify-length policy: ``adaptive_block_size=True`` or
-    ``tree_budget="auto"`` ask for it; None (the default) runs it wherever it applies, a chain or an ``"auto"``
+    """Whether a dynamic-loop call runs the verify-length policy: ``adaptive_block_size`` when given (its
+    checks refuse True with an integer ``tree_budget`` and False with ``"auto"``: [`check_adaptive`],
+    ``draft_trees.check_tree``); None (the default) runs it wherever it applies, a chain or an ``"auto"``
     tree, while an integer ``tree_budget`` verifies its fixed tree. (The fixed-shape static loop never runs it:
     asked for explicitly there it logs once, by default it runs the fixed blocks silently.)"""
     if adaptive_block_size is None:
         return tree_budget is None or tree_budget == "auto"
-    return adaptive_block_size or tree_budget == "auto"
+    return adaptive_block_size
 
 
 def policy_for(proposer, block_size: int, cost: Optional[StepCost]):

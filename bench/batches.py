@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from .contenders import fixed_unless_asked
 from .core import REFERENCE, ForwardProbe, _now, drafting_stats
 
 
@@ -56,10 +57,9 @@ def generate_contender(target, kw: dict, **extra):
 
 
 def package_contender(draft, target, block_size: int, kw: dict):
-    """Batched ``spec_generate`` at ``block_size``, fixed blocks unless ``kw`` sets ``adaptive_block_size``:
-    returns (new tokens per row, acceptance lengths per row, drafted positions per row)."""
-    if kw.get("tree_budget") != "auto":  # "auto" is the policy's own tree
-        kw = {"adaptive_block_size": False, **kw}
+    """Batched ``spec_generate`` at ``block_size``, fixed blocks unless ``kw`` asks otherwise
+    (``contenders.fixed_unless_asked``): returns (new tokens per row, acceptance lengths per row, drafted positions per row)."""
+    kw = fixed_unless_asked(kw)
 
     def run(ids, mask, max_new_tokens):
         out = draft.spec_generate(target, ids, attention_mask=mask, max_new_tokens=max_new_tokens,

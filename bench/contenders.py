@@ -76,11 +76,17 @@ def target_generate(target, **extra) -> Callable:
     return run
 
 
+def fixed_unless_asked(options: dict) -> dict:
+    """``spec_generate`` keywords of a package contender: ``adaptive_block_size=False`` (fixed blocks, what
+    ``package@b`` and ``tree@N`` time) unless ``options`` set it or ask for ``tree_budget="auto"`` (the
+    policy's own tree, which ``adaptive_block_size=False`` refuses)."""
+    return options if options.get("tree_budget") == "auto" else {"adaptive_block_size": False, **options}
+
+
 def package(draft, target, block_size: int, **options) -> Callable:
     """``draft.spec_generate`` at ``block_size``: fixed blocks (``adaptive_block_size=False``) unless ``options``
     say otherwise or ask for ``tree_budget="auto"``; ``options`` go to ``spec_generate`` as they are."""
-    if options.get("tree_budget") != "auto":  # "auto" is the policy's own tree
-        options = {"adaptive_block_size": False, **options}
+    options = fixed_unless_asked(options)
 
     def run(ids, max_new_tokens, sampling):
         out = draft.spec_generate(target, ids, max_new_tokens=max_new_tokens, block_size=block_size,
