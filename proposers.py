@@ -61,6 +61,14 @@ class Proposal:
         lengths: ``(A,)`` long, a chain's proposed length per row when rows differ (DSpark's confidence cut in
             a batch): row ``r``'s nodes from ``lengths[r]`` on are verified but never accepted (its bonus
             token is drawn at ``lengths[r]``); None: every row proposes all ``n``.
+        confidence: ``(A, n)`` fp32, what the verify-length policy may read of each slot to cut the chain
+            (``verify_policy.py``): under random draws the largest probability of the slot's distribution
+            (never the drawn token's own probability: reading it would make the cut depend on the draw and bias
+            the output, notes section 11), otherwise the chosen token's own probability; None: ``token_probs``.
+        walk: whether slot ``k``'s distribution (and confidence) was computed from this step's random draws
+            before it (DFlash 2's selector walk, DSpark's Markov walk, DFlash 1 under a processor that reads the
+            prefix, each under sampling with ``sample_draft``): then the cut at slot ``k`` may read slots ``<= k``
+            only, never a later one (a stopping rule). False: every slot's confidence is known before any draw.
     """
 
     tokens: torch.Tensor
@@ -70,6 +78,8 @@ class Proposal:
     tree: Optional[TreeBatch] = None
     acceptance: Optional[torch.Tensor] = None
     lengths: Optional[torch.Tensor] = None
+    confidence: Optional[torch.Tensor] = None
+    walk: bool = False
 
     def cut(self, n: int) -> "Proposal":
         """The chain's first ``n`` nodes (``n`` at most its length); ``lengths`` capped at ``n``."""
@@ -77,12 +87,27 @@ class Proposal:
             return self
         part = (lambda t: None if t is None else t[:, :n])
         return Proposal(self.tokens[:, :n], self.positions[:, :n + 1], self.token_probs[:, :n], part(self.q),
-                        None, part(self.acceptance), None if self.lengths is None else self.lengths.clamp_max(n))
+                        None, part(self.acceptance), None if self.lengths is None else self.lengths.clamp_max(n),
+                        part(self.confidence), self.walk)
 
     @classmethod
     def anchor_only(cls, anchor: torch.Tensor, positions: torch.Tensor) -> "Proposal":
         """No drafted node (a block of 1: a plain target step); ``anchor`` ``(A, 1)``, positions ``(A, 1)``."""
         return cls(anchor[:, :0], positions, positions.new_zeros(positions.shape[0], 0, dtype=torch.float32))
+
+
+def slot_confidence(sampling, q: Optional[torch.Tensor], token_probs: torch.Tensor) -> torch.Tensor:
+    """``Proposal.confidence`` ``(A, n)`` fp32: under random draws (``do_sample`` and ``sample_draft``) the largest
+    probability of each slot's distribution ``q`` ``(A, n, V)``, a function of the distribution alone, never of the
+    token drawn from it; otherwise (greedy, argmax drafts: nothing random to bias) ``token_probs``."""
+    if q is not None and sampling.do_sample and sampling.sample_draft:
+        return q.max(dim=-1).values.float()
+    return token_probs
+
+
+def _random_walk(sampling) -> bool:
+    """Whether a walking proposer's slots depend on this step's random draws (``Proposal.walk``)."""
+    return bool(sampling.do_sample and sampling.sample_draft)
 
 
 def _own_probs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -168,7 +193,9 @@ class BlockProposer:
             tokens = tree.tokens
             return Proposal(tokens, rows.start[:, None] + tree.depths, tree.token_probs, tree=tree)
         tokens, q, probs = self.choose(*drafted if self.slot_states else (drafted,), rows=rows)
-        return Proposal(tokens if tokens.device == device else tokens.to(device), positions, probs, q)
+        walk = _random_walk(self.sampling) and (self.slot_states or self.sampling.needs_prefix)
+        return Proposal(tokens if tokens.device == device else tokens.to(device), positions, probs, q,
+                        confidence=slot_confidence(self.sampling, q, probs), walk=walk)
 
     def trees(self, draft_logits: torch.Tensor, rows) -> list:
         """DDTree's best-first trees over the slots' raw draft log-probs (``draft_trees.block_trees``)."""
@@ -301,7 +328,8 @@ class DSparkProposer(SelectorProposer):
         prev = torch.cat([rows.anchor, tokens[:, :-1]], dim=1)
         head = self.draft.confidence_head
         conf = confidence_logits(head, self.draft.markov_head, self.draft.config.confidence_head_with_markov, hidden, prev)
-        full = Proposal(tokens, positions, probs, q, acceptance=None if conf is None else conf.sigmoid())
+        full = Proposal(tokens, positions, probs, q, acceptance=None if conf is None else conf.sigmoid(),
+                        confidence=slot_confidence(self.sampling, q, probs), walk=_random_walk(self.sampling))
         if not self.threshold:
             return full
         lengths = confident_length(conf, self.threshold)  # (A,) each row's cut
@@ -364,4 +392,4 @@ def proposer_for(draft):
 
 
 __all__ = ["AUTO_TREE_BUDGET", "BlockProposer", "DSparkProposer", "Proposal", "SelectorProposer", "check_confidence_threshold",
-           "choose_tokens", "proposer_for"]
+           "choose_tokens", "proposer_for", "slot_confidence"]

@@ -55,6 +55,9 @@ PROBE_LIMIT = 64  # at most this many plain steps between two draft steps that r
 PROBE_BLOCK = 4  # a probe drafts this block (at most the call's): whether drafting pays shows in its first slots
 PROBE_PATIENCE = 4  # before drafting has paid once, the first probe waits this many times a probe's waste
 PRIOR_ACCEPTANCE = 0.8  # the first step's block assumes each slot is accepted with this chance given the ones before
+BINS = 10  # Observed: trials are counted per confidence bin of width 1 / BINS
+PRIOR_WEIGHT = 0.5  # Observed: a slot's raw confidence counts as this many trials of its bin
+ROW_WEIGHT = 4.0  # Observed: the call's estimate counts as this many trials against a row's own
 MEASURE_ROUNDS = 5  # a measured table takes the median of this many rounds per width
 _STEP = 8  # costs are rounded to steps of 2 ** (1 / _STEP)
 _TABLES: dict = {}  # this process's measured tables, by key ([`step_cost`])
@@ -121,35 +124,96 @@ def best_width(cost: StepCost, expected: list) -> tuple:
     return best, rate
 
 
+class Observed:
+    """What one call saw its drafts do, the evidence the policy's estimates learn from (nothing kept between calls).
+
+    Each verified drafted slot is one trial: accepted, or the first one rejected (the slots after a rejection
+    were not tried). Trials are counted by the slot's confidence bin ([`BINS`] equal bins of
+    ``Proposal.confidence`` or the drafter's own estimate), for the whole call and per row, and by depth.
+
+    ``estimate(row, c)``: the chance that a slot of confidence ``c`` is accepted once the slots before it were,
+    ``(PRIOR_WEIGHT c + accepted) / (PRIOR_WEIGHT + tried)`` over the call's trials in ``c``'s bin (the raw
+    confidence is the prior, worth [`PRIOR_WEIGHT`] trials), then the row's own trials in that bin against it
+    (the call's estimate worth [`ROW_WEIGHT`] trials). So a drafter whose flat distributions are always right
+    is believed after a few trials, and one that is confident and always wrong is doubted after a few: the
+    raw confidence is a prior, not a cap (the former per-row factor in ``[0.25, 4]`` was, issue 49 item 5).
+    ``ahead(k)``: the chance for depth ``k`` learned from earlier steps alone (prior [`PRIOR_ACCEPTANCE`]),
+    what a walk's cut assumes for the slots it may not read yet."""
+
+    def __init__(self):
+        self.call = [[0.0, 0.0] for _ in range(BINS)]  # per bin: accepted, tried
+        self.rows = {}  # row id -> per bin [accepted, tried]
+        self.depths = {}  # depth (1 = first drafted slot) -> [accepted, tried]
+
+    @staticmethod
+    def _bin(c: float) -> int:
+        return min(BINS - 1, max(0, int(c * BINS)))
+
+    def estimate(self, row, c: float) -> float:
+        b = self._bin(c)
+        acc, tried = self.call[b]
+        call = (PRIOR_WEIGHT * c + acc) / (PRIOR_WEIGHT + tried)
+        racc, rtried = self.rows[row][b] if row in self.rows else (0.0, 0.0)
+        return (ROW_WEIGHT * call + racc) / (ROW_WEIGHT + rtried)
+
+    def ahead(self, depth: int) -> float:
+        acc, tried = self.depths.get(depth, (0.0, 0.0))
+        return (PRIOR_WEIGHT * PRIOR_ACCEPTANCE + acc) / (PRIOR_WEIGHT + tried)
+
+    def add(self, row, confidences: list, accepted: int) -> None:
+        """Row ``row`` verified slots of ``confidences`` (host floats, in slot order) and accepted ``accepted``."""
+        per_row = self.rows.setdefault(row, [[0.0, 0.0] for _ in range(BINS)])
+        for depth, c in enumerate(confidences[: accepted + 1], start=1):
+            hit = float(depth <= accepted)
+            for counts in (self.call[self._bin(c)], per_row[self._bin(c)], self.depths.setdefault(depth, [0.0, 0.0])):
+                counts[0] += hit
+                counts[1] += 1.0
+
+
+def _curve(estimates: list) -> list:
+    """Expected accepted drafts at each width ``k`` (``sum_{j<=k} prod_{i<=j} a_i``) from per-slot estimates."""
+    out, alive, total = [], 1.0, 0.0
+    for a in estimates:
+        alive *= a
+        total += alive
+        out.append(total)
+    return out
+
+
 class VerifyPolicy:
     """One call's verify-length policy (built per call; nothing kept between calls).
 
-    ``plan(remaining)`` before a step (``remaining``: each row's tokens still to generate): the block to draft
-    (``block_size``; 1: a plain step, no draft pass). ``cut(proposal)`` after the draft pass: the proposal cut
-    to its best width. ``record(accepted)`` after the verify: accepted drafts per row (host ints).
+    ``plan(remaining, ids)`` before a step (``remaining``: each row's tokens still to generate; ``ids``: the
+    rows' ids): the block to draft (1: a plain step, no draft pass). ``cut(proposal)`` after the draft pass:
+    the proposal cut to its best width. ``record(accepted)`` after the verify: accepted drafts per row (host
+    ints), the evidence of [`Observed`].
+
+    **The cut is a stopping rule** (module docstring): it reads ``Proposal.confidence`` (never the drawn token's
+    own probability under random draws) or the drafter's own estimate, and for a walk (``Proposal.walk``) it
+    decides slot ``k`` from slots ``<= k`` and depth estimates learned in earlier steps ([`Observed.ahead`]),
+    never from a later slot of this step.
 
     A batch ends with its slowest row, and finished rows leave it: the width is chosen for the row whose
-    remaining tokens over its expected tokens per step is largest (the critical row), so a batch with one row
-    the draft cannot follow runs plain steps rather than long blocks the others barely need.
+    remaining tokens over its expected tokens per step is largest (the critical row).
 
-    A chain's draft pass costs what its block holds, not what is verified: after a step that verified ``w``
-    drafted positions the next one drafts a block of ``2 (w + 1)`` rounded up to a power of two (at most
-    ``block_size``, at least [`PROBE_BLOCK`]), so a cut that hit the block's end doubles it; a probe drafts
-    [`PROBE_BLOCK`]. Trees (``trees=True``) always draft the call's block."""
+    **Observation.** The call's first drafting step and every probe verify their whole block (a schedule
+    fixed in advance, so the estimates see evidence the cut would not buy; issue 49 "Learns"). A chain's
+    draft pass costs what its block holds: after a step that verified ``w`` drafted positions the next
+    drafts ``2 (w + 1)`` rounded up to a power of two (at most ``block_size``, at least [`PROBE_BLOCK`]);
+    a probe drafts [`PROBE_BLOCK`]. Trees (``trees=True``) always draft the call's block and are cut by
+    their nodes' path probabilities, scaled per row by its accepted over predicted depth."""
 
     def __init__(self, cost: StepCost, block_size: int, trees: bool = False):
         self.cost, self.block, self.trees = cost, block_size, trees
         self.width = None  # drafted positions the last drafting step verified
-        self.effective = None  # last drafted step's expected tokens curve of the critical row (scaled), per width
+        self.effective = None  # the critical row's expected accepted drafts per width, from the last drafted step
         self.plain, self.wait = 0, None  # plain steps since the last draft step; plain steps before the next probe
         self.paid = False  # whether a drafting step of this call has paid (its curve beat a plain step)
-        self.predicted, self.observed = {}, {}  # per row id: sums over verified steps (a prior of one each)
-        self.chosen = None  # this step's (predicted accepted drafts per row, width), for record()
+        self.observed = Observed()
+        self.tree_seen = {}  # trees: per row id [predicted, observed] accepted depth
+        self.chosen = None  # this step's verified slots, for record()
+        self.observe = True  # the next drafting step verifies its whole block (the first step, a probe)
         self.remaining, self.ids = None, None
-
-    def scale(self, row) -> float:
-        """Row ``row``'s calibration: accepted drafts over predicted ones so far (both with a prior of 1)."""
-        return min(4.0, max(0.25, (1 + self.observed.get(row, 0.0)) / (1 + self.predicted.get(row, 0.0))))
 
     def plan(self, remaining: Optional[list] = None, ids: Optional[list] = None) -> int:
         self.remaining, self.ids = remaining, ids
@@ -164,7 +228,7 @@ class VerifyPolicy:
             self.wait = 1 if self.paid else self._first_wait()
         self.plain += 1
         if self.plain > self.wait and max(remaining or [1 << 40]) > self.wait:  # probe: re-measure the curve
-            self.plain, self.wait = 0, min(4 * self.wait, PROBE_LIMIT)
+            self.plain, self.wait, self.observe = 0, min(4 * self.wait, PROBE_LIMIT), True
             return self.block if self.trees else min(self.block, PROBE_BLOCK)
         return 1
 
@@ -174,8 +238,7 @@ class VerifyPolicy:
         it (no step has been seen yet). Trees draft the call's block."""
         if self.trees:
             return self.block
-        prior = [sum(PRIOR_ACCEPTANCE ** j for j in range(1, k + 1)) for k in range(1, self.block)]
-        width = best_width(self.cost, prior)[0]
+        width = best_width(self.cost, _curve([PRIOR_ACCEPTANCE] * (self.block - 1)))[0]
         return min(self.block, max(PROBE_BLOCK, 1 << width.bit_length()))
 
     def _first_wait(self) -> int:
@@ -190,48 +253,89 @@ class VerifyPolicy:
             return self.block
         return min(self.block, max(PROBE_BLOCK, 1 << (2 * self.width + 1).bit_length()))
 
-    def _choose(self, rows: list, cap: int) -> int:
-        """Best width from per-row curves ``rows[r][k - 1]`` (expected accepted drafts at width ``k``)."""
-        n = max(len(r) for r in rows)
-        rows = [r + r[-1:] * (n - len(r)) if r else [0.0] * n for r in rows]
-        remaining = self.remaining if self.remaining and len(self.remaining) == len(rows) else [1] * len(rows)
-        ids = self.ids if self.ids and len(self.ids) == len(rows) else list(range(len(rows)))
-        top, scales = max(remaining), [self.scale(i) for i in ids]
-        self.effective = [min((1 + min(cap or k, k, s * r[k - 1])) * top / max(left, 1)
-                              for r, left, s in zip(rows, remaining, scales)) - 1 for k in range(1, n + 1)]
-        width = max(1, best_width(self.cost, self.effective)[0])
-        self.chosen, self.width = ([r[width - 1] for r in rows], width, ids), width
-        return width
+    def _rows(self, n: int):
+        remaining = self.remaining if self.remaining and len(self.remaining) == n else [1] * n
+        ids = self.ids if self.ids and len(self.ids) == n else list(range(n))
+        return remaining, ids
+
+    def _critical(self, curves: list, cap=None) -> list:
+        """The critical row's curve: per width ``k``, the fewest expected tokens per step over the rows, each
+        row's ``1 + E_r(k)`` weighed by the batch's most remaining tokens over the row's own."""
+        remaining, _ = self._rows(len(curves))
+        top, n = max(remaining), max(len(c) for c in curves)
+        curves = [c + c[-1:] * (n - len(c)) if c else [0.0] * n for c in curves]
+        return [min((1 + min(cap or k, k, c[k - 1])) * top / max(left, 1) for c, left in zip(curves, remaining)) - 1
+                for k in range(1, n + 1)]
+
+    def _width(self, estimates: list, walk: bool) -> int:
+        """The verified width (at least 1: the draft pass is paid) from per-row, per-slot estimates. Without a
+        walk, the width of most tokens per unit cost over the whole curve. In a walk, slot by slot: slot ``k`` is
+        verified while some width ``>= k`` beats stopping at ``k - 1`` on the curve of slots ``1..k`` and the
+        learned depth estimates after ``k``: the decision for slot ``k`` reads nothing computed from its draw."""
+        n = len(estimates[0])
+        if not walk:
+            return max(1, best_width(self.cost, self._critical([_curve(e) for e in estimates]))[0])
+        ahead = [self.observed.ahead(k) for k in range(1, n + 1)]
+        for k in range(2, n + 1):
+            curve = self._critical([_curve(e[:k] + ahead[k:]) for e in estimates])
+            stop = (1.0 + curve[k - 2]) / self.cost.step(k - 1)
+            if all((1.0 + e) / self.cost.step(w) < stop for w, e in enumerate(curve[k - 1:], start=k)):
+                return k - 1
+        return n
 
     def cut(self, proposal):
-        """``proposal`` (``proposers.Proposal``, a chain) cut to its best width (at least one drafted position:
-        the draft pass is paid). One host transfer of ``(A, n)``."""
-        probs = proposal.acceptance if proposal.acceptance is not None else proposal.token_probs  # (A, n)
-        if probs.shape[1] == 0 or proposal.tree is not None:  # a tree was cut before it was built: cut_trees
+        """``proposal`` (``proposers.Proposal``, a chain) cut to its best width: one host transfer of ``(A, n)``.
+        The call's first drafting step and probes are verified whole ([`Observed`])."""
+        conf = proposal.acceptance if proposal.acceptance is not None else proposal.confidence
+        conf = proposal.token_probs if conf is None else conf  # (A, n)
+        if conf.shape[1] == 0 or proposal.tree is not None:  # a tree was cut before it was built: cut_trees
             return proposal
-        rows = probs.float().clamp(0, 1).cumprod(dim=1).cumsum(dim=1).tolist()  # (A, n) expected accepted
-        return proposal.cut(self._choose(rows, None))
+        confs = conf.float().clamp(0, 1).tolist()
+        _, ids = self._rows(len(confs))
+        estimates = [[self.observed.estimate(i, c) for c in row] for i, row in zip(ids, confs)]
+        width = len(confs[0]) if self.observe else self._width(estimates, proposal.walk)
+        self.observe, self.width = False, width
+        lengths = [width] * len(confs) if proposal.lengths is None else [min(width, n) for n in proposal.lengths.tolist()]
+        self.chosen = (ids, [row[:n] for row, n in zip(confs, lengths)])
+        self.effective = self._critical([_curve(e) for e in estimates])
+        return proposal.cut(width)
 
     def cut_trees(self, trees: list) -> list:
         """Best-first trees (``draft_trees.HostTree``, one per row) cut to the node count of most tokens per
-        unit cost: a tree's expected accepted depth is the sum of its nodes' path probabilities."""
+        unit cost: a tree's expected accepted depth is the sum of its nodes' path probabilities, scaled per row
+        by its accepted over predicted depth so far (a prior of one each, within ``[0.25, 4]``)."""
+        _, ids = self._rows(len(trees))
         rows = []
-        for t in trees:
+        for t, i in zip(trees, ids):
+            seen = self.tree_seen.get(i, [0.0, 0.0])
+            scale = min(4.0, max(0.25, (1 + seen[1]) / (1 + seen[0])))
             acc, total = [], 0.0
             for p in path_probs(t):
                 total += p
-                acc.append(total)
+                acc.append(scale * total)
             rows.append(acc)
-        width = self._choose(rows, self.block - 1)
+        self.effective = self._critical(rows, self.block - 1)
+        width = max(1, best_width(self.cost, self.effective)[0])
+        self.width, self.observe = width, False
+        self.chosen = (ids, [r[width - 1] if r else 0.0 for r in rows], width)
         return [first_nodes(t, width) for t in trees]
 
     def record(self, accepted: list) -> None:
-        if self.chosen is not None:
-            predicted, width, ids = self.chosen
+        if self.chosen is None:
+            return
+        if self.trees:
+            ids, predicted, width = self.chosen
             for i, p, a in zip(ids, predicted, accepted):
-                self.predicted[i] = self.predicted.get(i, 0.0) + p
-                self.observed[i] = self.observed.get(i, 0.0) + min(a, width)
-            self.chosen = None
+                seen = self.tree_seen.setdefault(i, [0.0, 0.0])
+                seen[0], seen[1] = seen[0] + p, seen[1] + min(a, width)
+        else:
+            ids, confs = self.chosen
+            for i, row, a in zip(ids, confs, accepted):
+                self.observed.add(i, row, a)
+            # the next plan weighs the last step's confidences under what this step taught
+            self.effective = self._critical([_curve([self.observed.estimate(i, c) for c in row]) or [0.0]
+                                             for i, row in zip(ids, confs)])
+        self.chosen = None
 
 
 class FixedBlocks:
@@ -503,6 +607,6 @@ def measure(seconds_per_step, width: int) -> StepCost:
     return StepCost(widths, tuple(costs), 0.0)
 
 
-__all__ = ["COST_ENV", "FixedBlocks", "PRIOR_ACCEPTANCE", "PROBE_BLOCK", "PROBE_LIMIT", "PROBE_PATIENCE", "StepCost",
+__all__ = ["BINS", "COST_ENV", "FixedBlocks", "Observed", "PRIOR_ACCEPTANCE", "PROBE_BLOCK", "PROBE_LIMIT", "PROBE_PATIENCE", "StepCost",
            "VerifyPolicy", "best_width", "call_cost", "check_adaptive", "cost_file", "env_cost", "measure", "policy_for",
            "policy_wanted", "seconds_per_step", "step_cost"]

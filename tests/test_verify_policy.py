@@ -85,14 +85,16 @@ def _ragged_equals_generate(target, draft, monkeypatch, cost=MIDDLE):
 
 
 def test_dense_ragged_policy_equals_generate_with_widths_that_follow_the_draft():
-    """Widths vary between steps and stay below the block; greedy output is the target's.
+    """Widths vary between steps and, after the first step (verified whole: the policy observes it), stay below
+    the block; greedy output is the target's.
     Planted bug caught: ``Proposal.cut`` keeping the uncut positions (shape error in the verify forward)."""
     mp = pytest.MonkeyPatch()
     try:
         out = _ragged_equals_generate(tiny_target(peaked=True), tiny_draft(block_size=BLOCK), mp)
     finally:
         mp.undo()
-    widths = {d for row in out.row_draft_lengths for d in row}
+    assert all(row[0] == BLOCK - 1 for row in out.row_draft_lengths), out.row_draft_lengths
+    widths = {d for row in out.row_draft_lengths for d in row[1:]}
     assert len(widths) > 1 and max(widths) < BLOCK - 1, widths
 
 
@@ -196,6 +198,14 @@ def _proposal(probs):
     return proposers.Proposal(torch.zeros(a, n, dtype=torch.long), torch.arange(n + 1).expand(a, -1), probs)
 
 
+def _past_first(cost, block, **kw):
+    """A policy past its first drafting step (which is verified whole: ``test_first_step_and_probes_are_verified_whole``),
+    with nothing observed yet: its estimates are the raw confidences."""
+    policy = verify_policy.VerifyPolicy(cost, block, **kw)
+    policy.observe = False
+    return policy
+
+
 def test_the_cut_follows_the_planted_probabilities():
     """With a verified position at 0.25 of a plain step and a draft pass at 0.3: four near-certain slots
     then near-zero ones are cut after the fourth; a curve that halves from the first slot is cut early;
@@ -209,18 +219,18 @@ def test_the_cut_follows_the_planted_probabilities():
         return 1 + max(range(len(rates)), key=rates.__getitem__)
 
     sure = [[0.99] * 4 + [0.01] * 3]
-    assert verify_policy.VerifyPolicy(cost, 8).cut(_proposal(sure)).tokens.shape[1] == 4
+    assert _past_first(cost, 8).cut(_proposal(sure)).tokens.shape[1] == 4
     halving = [[0.5 ** (k + 1) for k in range(7)]]
-    cut = verify_policy.VerifyPolicy(cost, 8).cut(_proposal(halving)).tokens.shape[1]
+    cut = _past_first(cost, 8).cut(_proposal(halving)).tokens.shape[1]
     curve = torch.tensor(halving[0]).cumprod(0).cumsum(0).tolist()
     assert cut == best(curve) < 4
     p = _proposal([[0.01] * 7])
     p.acceptance = torch.tensor([[0.99] * 6 + [0.01]])
-    assert verify_policy.VerifyPolicy(cost, 8).cut(p).tokens.shape[1] == 6
+    assert _past_first(cost, 8).cut(p).tokens.shape[1] == 6
     mixed = [[0.99] * 7, [0.6] * 7]  # equal remaining tokens: the width is the critical (slower) row's
-    assert verify_policy.VerifyPolicy(cost, 8).cut(_proposal(mixed)).tokens.shape[1] == best(
+    assert _past_first(cost, 8).cut(_proposal(mixed)).tokens.shape[1] == best(
         torch.tensor(mixed[1]).cumprod(0).cumsum(0).tolist()) < 7
-    policy = verify_policy.VerifyPolicy(cost, 8)
+    policy = _past_first(cost, 8)
     policy.plan([10, 40])  # row 0 nearly done: row 1 (40 tokens left) is the critical one even at 0.99
     mixed = [[0.6] * 7, [0.99] * 7]
     assert policy.cut(_proposal(mixed)).tokens.shape[1] == 7
@@ -260,6 +270,7 @@ def test_the_drafted_block_follows_the_width_verified():
     for width in (1, 2, 3, 4, 15):
         policy = verify_policy.VerifyPolicy(StepCost((1, 16), (1.0, 2.0)), 16)  # each position costs: cut at w
         assert policy.plan() == 8  # first step, prior 0.8: (1 + 3.16) / (1 + 7 / 15) beats every other width
+        policy.observe = False  # the first step's cut as any other's (it is verified whole: a test below)
         p = _proposal([[0.99] * width + [0.001] * (15 - width)])
         policy.cut(p)
         policy.record([width])
@@ -268,7 +279,7 @@ def test_the_drafted_block_follows_the_width_verified():
     # the first block under other costs: free positions -> the whole block; dear ones -> PROBE_BLOCK
     assert verify_policy.VerifyPolicy(CHEAP, 16).plan() == 16
     assert verify_policy.VerifyPolicy(StepCost((1, 2, 16), (1.0, 2.0, 9.0)), 16).plan() == verify_policy.PROBE_BLOCK
-    trees = verify_policy.VerifyPolicy(StepCost((1, 16), (1.0, 2.0)), 16, trees=True)
+    trees = _past_first(StepCost((1, 16), (1.0, 2.0)), 16, trees=True)
     trees.cut(_proposal([[0.99] + [0.001] * 14]))
     assert trees.plan() == 16
 
