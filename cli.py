@@ -2,6 +2,7 @@
 
     dflash-hf generate [--model M] [--draft D] [--temperature T] [--top-p P] [--top-k K]
                        [--max-new-tokens N] [--block-size B] [--enable-thinking] [--no-chat-template] PROMPT
+    dflash-hf calibrate [--device D] [--dtype D] [--threads N]  # measure this device's speed constants again
     dflash-hf benchmark [--model M] [--draft D] [--dataset NAME] [--max-samples N] [python -m bench options]
     dflash-hf convert SOURCE OUTPUT [...]         # python -m convert.convert_checkpoint
     dflash-hf push FOLDER --repo-id ORG/NAME [...]  # python -m convert.push_to_hub
@@ -25,7 +26,9 @@ import sys
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
 PAIR = os.path.join(PACKAGE, "pair")
-COMMANDS = ("generate", "benchmark", "convert", "push")
+COMMANDS = ("generate", "benchmark", "calibrate", "convert", "push")
+THREADS_HELP = ("torch CPU threads (default 1, as the demo: the shipped pair is tiny, so more threads only add "
+                "synchronisation overhead; 0 = torch's default)")
 # The authors' backends and flags that have no meaning in this package: refused by name, never ignored.
 REFUSED_BACKENDS = {
     "openai": "the openai backend (an OpenAI-compatible server) is not part of dflash-hf; this package runs transformers",
@@ -82,12 +85,13 @@ def generate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, help="per-call block size (default: the drafter's)")
     ap.add_argument("--fixed-blocks", action="store_true",
                     help="every step verifies the whole block (adaptive_block_size=False) instead of the default "
-                         "verify-length policy, whose first call per shape measures a cost table")
+                         "verify-length policy (priced by verify_cost.py's cost model)")
     ap.add_argument("--enable-thinking", action="store_true", help="passed to the chat template (Qwen3 reads it)")
     ap.add_argument("--no-chat-template", action="store_true", help="continue PROMPT as plain text")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                     help="auto: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
     return add_debug_flag(ap)
 
 
@@ -124,6 +128,8 @@ def run_generate(args) -> int:
     from convert.cli import quiet_loading
     from convert.loading import load_pair, parse_device
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = parse_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -148,7 +154,7 @@ def generate(argv: list) -> int:
     from convert.cli import run_command
 
     args = generate_parser().parse_args(argv)
-    for flag, low in (("max_new_tokens", 1), ("block_size", 1), ("top_k", 1)):
+    for flag, low in (("max_new_tokens", 1), ("block_size", 1), ("top_k", 1), ("threads", 0)):
         if getattr(args, flag) is not None and getattr(args, flag) < low:
             generate_parser().error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
     return run_command(run_generate, args)
@@ -183,6 +189,33 @@ def benchmark(argv: list) -> int:
     return bench_main(bench_argv(argv), prog="dflash-hf benchmark")
 
 
+def calibrate(argv: list) -> int:
+    """``dflash-hf calibrate``: measure this device's speed constants again (``verify_cost.calibrate``), replacing
+    the stored entry; prints the constants and the file they are kept in."""
+    ap = argparse.ArgumentParser(prog="dflash-hf calibrate", description="Measure this device's speed constants "
+                                 "for the verify-length policy's cost model again (a few raw matmuls, under 1 s) "
+                                 "and store them, replacing the entry.")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="default: float32 on CPU, bfloat16 on CUDA (what dflash-hf generate runs)")
+    ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP + "; the constants are kept per thread count")
+    args = ap.parse_args(argv)
+    if args.threads < 0:
+        ap.error(f"--threads must be >= 0, got {args.threads}")
+    import torch
+
+    import verify_cost
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    speed = verify_cost.calibrate(device, dtype)
+    print(f"{verify_cost.speed_key(device, dtype)}: " + ", ".join(
+        f"{k} {v:.3g} s" for k, v in vars(speed).items()) + f"\nkept in {verify_cost.speed_file()}")
+    return 0
+
+
 def convert(argv: list) -> int:
     """``dflash-hf convert``: ``python -m convert.convert_checkpoint``."""
     from convert.convert_checkpoint import main as convert_main
@@ -197,7 +230,7 @@ def push(argv: list) -> int:
     return push_main(argv)
 
 
-HANDLERS = {"generate": generate, "benchmark": benchmark, "convert": convert, "push": push}
+HANDLERS = {"generate": generate, "benchmark": benchmark, "calibrate": calibrate, "convert": convert, "push": push}
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -48,7 +48,8 @@ try:
     from .target_families import FAMILY as _families
     from .target_taps import capture_target_features
     from .user_processors import check_copyable, is_user_processor
-    from .verify_policy import call_cost, check_adaptive, policy_for, policy_wanted
+    from .verify_cost import call_cost
+    from .verify_policy import check_adaptive, policy_for, policy_wanted
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import CACHE_FIELD, Resume, check_passed_cache, leave_inference_mode, pop_passed_cache
     from decode_step import _Context, _Rows, _Run, _cache_kwarg, _commit, _forward_target
@@ -71,7 +72,8 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from target_families import FAMILY as _families
     from target_taps import capture_target_features
     from user_processors import check_copyable, is_user_processor
-    from verify_policy import call_cost, check_adaptive, policy_for, policy_wanted
+    from verify_cost import call_cost
+    from verify_policy import check_adaptive, policy_for, policy_wanted
 
 logger = logging.get_logger(__name__)
 
@@ -432,7 +434,7 @@ def _spec_loop(draft, target, input_ids, mask, config, processors, criteria, *, 
                                  tree=tree_budget is not None)
     cost = None  # the verify-length policy's StepCost, resolved before any forward of the call
     if static_decode is None and policy_wanted(adaptive, tree_budget) and block_size > 1 and budget > 1:
-        cost = call_cost(spec_generate, draft, target, facts, input_ids, budget, block_size,
+        cost = call_cost(target, draft, facts, input_ids, budget, block_size,
                          AUTO_TREE_BUDGET if tree_budget == "auto" else None, draft_window, verify_cost)
     with torch.inference_mode(inference_mode):
         if static_decode is not None:  # fixed-shape loop, static_generate.py

@@ -1,11 +1,10 @@
 """DFlash draft model: a block-diffusion drafter for lossless speculative decoding (arXiv 2602.06036).
 
-The draft is a small Qwen3-style decoder with no embedding and no LM head of its own (it borrows the
-target's, frozen). Each call drafts a whole block ``[anchor, MASK, ..., MASK]`` in one forward pass.
-Target hidden states captured at ``config.target_layer_ids`` are fused by ``fc`` + ``hidden_norm``
-and injected as extra keys/values into every draft layer ("KV injection"); queries come only from
-the block (arXiv 2602.06036, method section). State-dict names equal the published
-z-lab / SpecForge checkpoints, so they load strictly with no renaming.
+The draft is a small Qwen3-style decoder with no embedding and no LM head of its own (it borrows the target's,
+frozen). Each call drafts a whole block ``[anchor, MASK, ..., MASK]`` in one forward pass. Target hidden states
+captured at ``config.target_layer_ids`` are fused by ``fc`` + ``hidden_norm`` and injected as extra keys/values
+into every draft layer ("KV injection"); queries come only from the block (arXiv 2602.06036, method section).
+State-dict names equal the published z-lab / SpecForge checkpoints, so they load strictly with no renaming.
 """
 
 import functools
@@ -30,9 +29,9 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from remote_code_cache import _HUB_KWARGS, _folder_own_class, _forget_stale_siblings, _record_sibling_sources
 if __package__:
     _forget_stale_siblings(__name__)
-# Every flat sibling file that any remote-code file imports must be imported HERE too, with a
-# single-dot relative import: transformers 4.57 copies only the modeling file's direct relative
-# imports of a local folder into its module cache (tests/test_remote_code.py checks this).
+# Every flat sibling file that any remote-code file imports must be imported HERE too, with a single-dot relative
+# import: transformers 4.57 copies only the modeling file's direct relative imports of a local folder into its
+# module cache (tests/test_remote_code.py checks this).
 try:
     from .cache_reuse import DraftContext  # noqa: F401
     from .configuration_dflash import DFlashConfig, check_loading_info
@@ -56,7 +55,8 @@ try:
     from .target_families import draft_block_embedding, draft_logits
     from .target_taps import capture_target_features  # noqa: F401
     from .user_processors import check_copyable  # noqa: F401
-    from .verify_policy import StepCost  # noqa: F401
+    from .verify_cost import StepCost  # noqa: F401  (4.57 copies only direct imports)
+    from .verify_policy import VerifyPolicy  # noqa: F401
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from cache_reuse import DraftContext  # noqa: F401
     from configuration_dflash import DFlashConfig, check_loading_info
@@ -80,7 +80,8 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from target_families import draft_block_embedding, draft_logits
     from target_taps import capture_target_features  # noqa: F401
     from user_processors import check_copyable  # noqa: F401
-    from verify_policy import StepCost  # noqa: F401
+    from verify_cost import StepCost  # noqa: F401
+    from verify_policy import VerifyPolicy  # noqa: F401
 if __package__:
     _record_sibling_sources(__name__)
 

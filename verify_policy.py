@@ -18,38 +18,25 @@ block that would pay best if each slot were accepted with ``PRIOR_ACCEPTANCE`` (
 block. Only what is proposed changes: every committed token is still the target's own (greedy) or exactly
 its distribution.
 
-Where the cost comes from ([`step_cost`]): the caller's ``verify_cost`` (a [`StepCost`]), else the same as
-JSON in ``$DFLASH_VERIFY_COST`` ([`env_cost`]), else one measurement of the call's own loop
-(``spec_generate`` with fixed blocks of 1, 2, 4 ... positions, greedy, on random tokens from a fixed seed)
-at the call's batch width and context length (both rounded up to a power of two), made before the call's
-first forward and kept for the process and in a JSON file (``verify_costs.json`` in the folder
-``$DFLASH_HF_CACHE``, else ``$HF_HOME/dflash_hf``), so that later calls and later processes on the
-machine reuse the same table: the policy, and with it a seeded sampled call's tokens, then depend only on
-the seed. Costs are ratios to a plain step on that device, rounded to steps of 2^(1/8); nothing is timed
-inside a model's forward.
+Where the cost comes from: ``verify_cost.py`` ([`verify_cost.call_cost`]): the caller's ``verify_cost``, else
+``$DFLASH_VERIFY_COST``, else a cost model from the models' shapes priced by this device's constants, measured
+once per device by a few raw matmuls (never a forward or a nested generation inside the call).
 
 Sources: issue "Verify what pays"; vLLM's adaptive verification (PR #47808: per-slot survival
 probabilities and a token budget from a startup cost profile); DSpark (arXiv 2607.05147) for the
 confidence head's estimates.
 """
 
-import functools
-import hashlib
-import json
-import math
-import os
-import statistics
-import tempfile
-from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from transformers.utils import logging
 
 try:
     from .draft_trees import first_nodes, path_probs
+    from .verify_cost import COST_ENV, StepCost, as_step_cost, env_cost  # noqa: F401  (StepCost re-exported)
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from draft_trees import first_nodes, path_probs
+    from verify_cost import COST_ENV, StepCost, as_step_cost, env_cost  # noqa: F401
 
 PROBE_LIMIT = 64  # at most this many plain steps between two draft steps that re-measure the curve
 PROBE_BLOCK = 4  # a probe drafts this block (at most the call's): whether drafting pays shows in its first slots
@@ -58,58 +45,8 @@ PRIOR_ACCEPTANCE = 0.8  # the first step's block assumes each slot is accepted w
 BINS = 10  # Observed: trials are counted per confidence bin of width 1 / BINS
 PRIOR_WEIGHT = 0.5  # Observed: a slot's raw confidence counts as this many trials of its bin
 ROW_WEIGHT = 4.0  # Observed: the call's estimate counts as this many trials against a row's own
-MEASURE_ROUNDS = 5  # a measured table takes the median of this many rounds per width
-_STEP = 8  # costs are rounded to steps of 2 ** (1 / _STEP)
-_TABLES: dict = {}  # this process's measured tables, by key ([`step_cost`])
-COST_ENV = "DFLASH_VERIFY_COST"  # a StepCost as JSON for every call without verify_cost ([`step_cost`])
 
 logger = logging.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """What one verify step costs, in plain target steps at this batch width (a plain step: one position per
-    row, no draft pass, costs 1.0).
-
-    Attributes:
-        widths: verified positions per row (anchor included) at which ``verify`` was measured, increasing,
-            starting at 1.
-        verify: the target forward's cost at each width (``verify[0] == 1.0``); linear in between, and past
-            the last width.
-        draft: one draft pass (the proposer's whole proposal: draft forward and token choice), added to every
-            step that drafts; 0 in measured tables, whose ``verify`` entries above width 1 are whole drafting steps.
-    """
-
-    widths: tuple
-    verify: tuple
-    draft: float = 0.0
-
-    def __post_init__(self):
-        faults = [why for bad, why in (
-            (len(self.widths) != len(self.verify), f"{len(self.widths)} widths but {len(self.verify)} verify costs"),
-            (not self.widths or self.widths[0] != 1, "widths must start at 1"),
-            (list(self.widths) != sorted(set(self.widths)), "widths must increase"),
-            (not self.verify or self.verify[0] != 1.0, "verify[0] must be 1.0 (a plain step)"),
-            (not all(isinstance(v, (int, float)) and v > 0 and math.isfinite(v) for v in self.verify),
-             "verify costs must be positive finite numbers"),
-            (not (isinstance(self.draft, (int, float)) and self.draft >= 0), "draft must be a number >= 0")) if bad]
-        if faults:
-            raise ValueError(f"StepCost(widths={self.widths}, verify={self.verify}, draft={self.draft}): "
-                             + "; ".join(faults))
-
-    def step(self, drafted: int) -> float:
-        """Cost of a step verifying ``drafted`` drafted positions (0: a plain step, 1.0)."""
-        return 1.0 if drafted <= 0 else self.draft + self.verify_cost(drafted + 1)
-
-    def verify_cost(self, width: int) -> float:
-        w, v = self.widths, self.verify
-        for i in range(1, len(w)):
-            if width <= w[i]:
-                return v[i - 1] + (v[i] - v[i - 1]) * (width - w[i - 1]) / (w[i] - w[i - 1])
-        if len(w) == 1:
-            return v[0] * width
-        slope = (v[-1] - v[-2]) / (w[-1] - w[-2])
-        return v[-1] + slope * (width - w[-1])
 
 
 def best_width(cost: StepCost, expected: list) -> tuple:
@@ -358,10 +295,12 @@ def check_adaptive(adaptive_block_size, verify_cost, tree_budget=None) -> None:
     """Refuse, before any forward, an ``adaptive_block_size`` that is not None / True / False, a
     ``verify_cost`` or ``tree_budget="auto"`` together with ``adaptive_block_size=False`` (both need the policy
     that call turns off), and
-    a malformed ``$DFLASH_VERIFY_COST`` for a call that would read it ([`env_cost`]).
+    a malformed ``verify_cost`` ([`verify_cost.as_step_cost`]) or ``$DFLASH_VERIFY_COST`` for a call that would
+    read it ([`env_cost`]).
 
     Raises:
         ValueError: naming the value and what was expected.
+        TypeError: a ``verify_cost`` that is no StepCost, mapping or object with its fields.
     """
     if adaptive_block_size is not None and not isinstance(adaptive_block_size, bool):
         raise ValueError(f"adaptive_block_size={adaptive_block_size!r} must be None (the default: the verify-length "
@@ -372,6 +311,8 @@ def check_adaptive(adaptive_block_size, verify_cost, tree_budget=None) -> None:
     if adaptive_block_size is False and tree_budget == "auto":
         raise ValueError("tree_budget='auto' sizes trees by the verify-length policy, which adaptive_block_size=False "
                          "turns off: pass an integer tree_budget for fixed trees, or drop adaptive_block_size=False")
+    if adaptive_block_size is not False and verify_cost is not None:
+        as_step_cost(verify_cost)  # a malformed verify_cost is refused here, before generate() is entered
     if adaptive_block_size is not False and verify_cost is None:
         env_cost()  # a malformed $DFLASH_VERIFY_COST is refused here, before generate() is entered
 
@@ -399,214 +340,6 @@ def policy_for(proposer, block_size: int, cost: Optional[StepCost]):
     return policy
 
 
-def call_cost(spec_generate, draft, target, facts, input_ids, budget: int, block_size: int, trees, draft_window,
-              given) -> StepCost:
-    """The [`StepCost`] of a ``spec_generate`` call: ``given`` (``verify_cost``), else the table for its batch,
-    context (prompt + half the budget, at most 256 more) and widths (``trees``: an ``"auto"`` tree's node
-    budget), measured once by [`seconds_per_step`] through ``spec_generate`` itself."""
-    width = block_size if trees is None else trees + 1  # verified positions at most (a tree: its nodes + anchor)
-    context = input_ids.shape[1] + min(budget, 512) // 2
-    timer = functools.partial(seconds_per_step, spec_generate, draft, target, facts.device, block_size, trees,
-                              draft_window)
-    return step_cost(target, draft, facts.device, facts.mask_dtype, input_ids.shape[0], context, width, timer,
-                     draft_window, given, tree_budget=trees)
-
-
-def seconds_per_step(spec_generate, draft, target, device, block_size: int, trees, draft_window, width: int,
-                     batch: int, context: int) -> float:
-    """Seconds per verify step of ``spec_generate``'s loop verifying ``width`` positions (fixed blocks, or
-    trees of ``width - 1`` nodes), greedy, on ``batch`` rows of ``context`` random tokens (fixed seed; special
-    token ids of the config left out; every other row left padded by 3): the decode time (``output_timings``)
-    of a call of ``3 * width + 10`` new tokens less that of a call of 2, over the verify steps between them.
-    Neither the prefill nor the first step's draft pass over the whole prompt is in it: at 2,048 context
-    tokens the prefill is ten plain steps' time or more, and a difference of whole calls measured a step of 2
-    positions at 1.3 plain steps where it costs 1.8. The caller's generator and inputs are not touched."""
-    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    special = {v for k, v in vars(target.config).items() if isinstance(v, int) and k.endswith(("token_id", "token_index"))}
-    allowed = torch.tensor([t for t in range(config.vocab_size) if t not in special])
-    ids = allowed[torch.randint(len(allowed), (batch, context), generator=torch.Generator().manual_seed(0))].to(device)
-    mask = torch.ones_like(ids)
-    if batch > 1:  # a ragged batch, as the calls it stands for: left padding, so the masked path runs throughout
-        mask[1::2, : min(3, context - 1)] = 0
-    shape = ({"block_size": 1} if width == 1 else {"block_size": width} if trees is None
-             else {"block_size": block_size, "tree_budget": width - 1})
-    kw = dict(attention_mask=mask, temperature=0.0, do_sample=False, low_acceptance_warning=None,
-              adaptive_block_size=False, return_dict_in_generate=True, output_timings=True, draft_window=draft_window,
-              **shape)
-
-    def decode(new):  # (decode seconds, verify steps) of a call of `new` tokens
-        out = spec_generate(draft, target, ids, max_new_tokens=new, **kw)
-        return out.timings["decode_s"], out.num_target_forwards - 1
-
-    short, short_steps = decode(2)
-    long, long_steps = decode(3 * width + 10)
-    return max(long - short, 0.0) / max(long_steps - short_steps, 1)
-
-
-# ----------------------------------------------------------------------------- the cost table
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _rounded(ratio: float) -> float:
-    return 2.0 ** (round(math.log2(max(ratio, 1e-6)) * _STEP) / _STEP)
-
-
-def _key(target, draft, device, dtype, batch: int, context: int, width: int, window) -> str:
-    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda" else
-                   f"cpu{torch.get_num_threads()}t")
-    configs = [json.dumps(m.config.to_diff_dict(), sort_keys=True, default=str) for m in (target, draft)]
-    digest = hashlib.sha256("|".join(configs).encode()).hexdigest()[:16]
-    return (f"{type(target).__name__}/{type(draft).__name__}/{digest}/{device_name}/{dtype}/b{batch}/l{context}"
-            f"/w{width}/win{window}")
-
-
-def cost_file() -> str:
-    """The JSON file the measured tables are kept in across processes."""
-    root = os.environ.get("DFLASH_HF_CACHE")
-    if not root:
-        hf_home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-        root = os.path.join(hf_home, "dflash_hf")
-    return os.path.join(root, "verify_costs.json")
-
-
-def _load_file() -> dict:
-    try:
-        with open(cost_file()) as f:
-            tables = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return tables if isinstance(tables, dict) else {}
-
-
-def _save(key: str, cost: StepCost) -> None:
-    """Add ``key`` to the JSON file: written to a temporary name, then renamed (never half-written)."""
-    path = cost_file()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tables = _load_file()
-        tables[key] = {"widths": list(cost.widths), "verify": list(cost.verify), "draft": cost.draft}
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(tables, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only home: the table stays in this process
-        logger.warning(f"cannot write the verify cost table to {path} ({e}): it stays in this process, and a new "
-                       f"process measures it again; set DFLASH_HF_CACHE to a writable folder, or {COST_ENV}")
-
-
-def _stored(key: str) -> Optional[StepCost]:
-    """The cost file's table for ``key``, or None: absent, or damaged (then measured again and rewritten, with
-    one warning naming the file: a hand-edited entry must not break every later call)."""
-    stored = _load_file().get(key)
-    if stored is None:
-        return None
-    try:
-        return _from_json(stored)
-    except (ValueError, TypeError, KeyError) as e:
-        logger.warning(f"{cost_file()}: the verify cost table {key} is damaged ({type(e).__name__}: {e}); "
-                       "measuring it again")
-        return None
-
-
-def step_cost(target, draft, device, dtype, batch: int, context: int, width: int, seconds_per_step,
-              draft_window=None, given: Optional[StepCost] = None, tree_budget=None) -> StepCost:
-    """The [`StepCost`] of this call: ``given`` (``spec_generate``'s ``verify_cost``), else the one in the
-    environment variable ``DFLASH_VERIFY_COST`` ([`env_cost`]), else the table of this target, drafter,
-    device, dtype, CPU threads, batch and context buckets (powers of two), verify width, draft window and tree
-    budget: from this process, else from the cost file, else measured now ([`measure`] with
-    ``seconds_per_step(width, batch, context)``, one info log) and kept in both.
-
-    Raises:
-        TypeError: ``given`` is neither None nor a ``StepCost``.
-        ValueError: ``DFLASH_VERIFY_COST`` is set but is not a StepCost's JSON.
-    """
-    if given is not None:
-        if not isinstance(given, StepCost):
-            raise TypeError(f"verify_cost must be a verify_policy.StepCost, got {type(given).__name__}")
-        return given
-    pinned = env_cost()
-    if pinned is not None:
-        return pinned
-    batch, context = _bucket(batch), _bucket(max(context, 16))
-    key = _key(target, draft, device, dtype, batch, context, width, draft_window) + f"/tree{tree_budget}"
-    if key not in _TABLES:
-        stored = _stored(key)
-        if stored is not None:
-            _TABLES[key] = stored
-        else:
-            logger.info(f"spec_generate: measuring the verify cost of {type(target).__name__} at batch {batch}, "
-                        f"context {context}, widths up to {width} (once per shape and machine, kept in {cost_file()}; "
-                        f"pass verify_cost= or set {COST_ENV} to skip it, adaptive_block_size=False for fixed blocks)")
-            _TABLES[key] = measure(lambda w: seconds_per_step(w, batch, context), width)
-            _save(key, _TABLES[key])
-    return _TABLES[key]
-
-
-def env_cost() -> Optional[StepCost]:
-    """The [`StepCost`] in ``$DFLASH_VERIFY_COST`` (JSON ``{"widths": [1, ...], "verify": [1.0, ...], "draft":
-    0.0}``, the cost file's entry format; ``draft`` optional), or None when it is unset or empty. It pins the
-    policy of every call without ``verify_cost``, with no measurement (a CI run, seeded sampling across
-    machines). Read at each call, never kept.
-
-    Raises:
-        ValueError: naming the variable and its value, when it is not such a JSON object.
-    """
-    text = os.environ.get(COST_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        return _from_json(json.loads(text))
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ValueError(f"{COST_ENV}={text!r} must be a JSON object like "
-                         f'{{"widths": [1, 16], "verify": [1.0, 2.5], "draft": 0.0}} (a verify_policy.StepCost; '
-                         f'"draft" optional, 0 by default): {type(e).__name__}: {e}') from None
-
-
-def _from_json(value) -> StepCost:
-    """A [`StepCost`] from its JSON object (the cost file's entries, ``$DFLASH_VERIFY_COST``).
-
-    Raises:
-        ValueError: not an object, a key other than widths / verify / draft, or a key missing.
-        TypeError: a value of the wrong type.
-    """
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
-    unknown, missing = set(value) - {"widths", "verify", "draft"}, {"widths", "verify"} - set(value)
-    if unknown or missing:
-        raise ValueError(f"unknown keys {sorted(unknown)}" if unknown else f"missing keys {sorted(missing)}")
-    return StepCost(tuple(int(w) for w in value["widths"]), tuple(float(v) for v in value["verify"]),
-                    float(value.get("draft", 0.0)))
-
-
-def _widths(width: int) -> tuple:
-    points = {1, width}
-    k = 2
-    while k < width:
-        points.add(k)
-        k *= 2
-    return tuple(sorted(points))
-
-
-def measure(seconds_per_step, width: int) -> StepCost:
-    """A [`StepCost`] from ``seconds_per_step(w)``, the time of one whole step of the call's own loop verifying
-    ``w`` positions (``w = 1``: a plain step; above, the draft pass, the verify forward and the bookkeeping
-    together, so ``draft`` is 0), at each width of ``_widths(width)``: per round over the widths in turn the
-    ratio to that round's plain step (a machine's speed drifts 20% between rounds), the median of
-    ``MEASURE_ROUNDS`` rounds (one slow moment of a busy machine once priced a step of 4 positions at 3.1
-    plain steps where it costs 1.7), rounded to steps of 2^(1/8), never decreasing with the width. Runs once
-    per table ([`step_cost`])."""
-    widths = _widths(width)
-    seconds_per_step(min(2, width))  # warm-up
-    rounds = [[max(seconds_per_step(w), 1e-9) for w in widths] for _ in range(MEASURE_ROUNDS)]  # widths in turn
-    ratios = [statistics.median(r[i] / r[0] for r in rounds) for i in range(1, len(widths))]  # per round: drift
-    costs = [1.0] + [max(1.0, _rounded(x)) for x in ratios]
-    for i in range(1, len(costs)):
-        costs[i] = max(costs[i], costs[i - 1])
-    return StepCost(widths, tuple(costs), 0.0)
-
-
-__all__ = ["BINS", "COST_ENV", "FixedBlocks", "Observed", "PRIOR_ACCEPTANCE", "PROBE_BLOCK", "PROBE_LIMIT", "PROBE_PATIENCE", "StepCost",
-           "VerifyPolicy", "best_width", "call_cost", "check_adaptive", "cost_file", "env_cost", "measure", "policy_for",
-           "policy_wanted", "seconds_per_step", "step_cost"]
+__all__ = ["BINS", "COST_ENV", "FixedBlocks", "Observed", "PRIOR_ACCEPTANCE", "PROBE_BLOCK", "PROBE_LIMIT",
+           "PROBE_PATIENCE", "StepCost", "VerifyPolicy", "best_width", "check_adaptive", "env_cost", "policy_for",
+           "policy_wanted"]

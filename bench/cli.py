@@ -78,7 +78,8 @@ def parse_args(argv=None, prog: str = "python -m bench"):
     ap.add_argument("--ddtree-dir", help="local copy of liranringel/ddtree: adds ddtree@N for each --tree-budgets N")
     ap.add_argument("--draft-window", type=int, metavar="N",
                     help="also run package@B/windowN: spec_generate(draft_window=N), interleaved with package@B")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the demo: the shipped pair "
+                    "is tiny, so more threads only add synchronisation overhead; 0 = torch default)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--clock", choices=["cpu", "wall"], help="default: cpu on CPU, wall on CUDA")

@@ -249,34 +249,27 @@ def test_custom_generate_passes_generate_arguments_through(pair):
                         assistant_model=draft, num_beams=2)
 
 
-def test_the_default_policy_measures_its_table_inside_generate(pair, tmp_path, monkeypatch):
+def test_the_default_policy_prices_its_steps_inside_generate_without_nested_calls(pair, tmp_path, monkeypatch):
     """Through ``custom_generate`` ``spec_generate`` runs inside ``target.generate``, and without a pinned cost
-    (conftest's ``DFLASH_VERIFY_COST`` removed) the default policy measures its table there by nested
-    ``spec_generate`` calls with fixed blocks (one round here, to keep the test short): the output still
-    equals ``generate``, and the table lands in the cost file. Planted bug caught: the table's own calls
-    running the default policy (they recurse into a new measurement)."""
+    (conftest's ``DFLASH_VERIFY_COST`` removed) the default policy's cost comes from the remote copy's
+    ``verify_cost`` (the cost model on this device's constants, measured by raw matmuls into
+    ``device_speed.json``), with no nested ``spec_generate``: the output equals ``generate``. Planted bug
+    caught: the old per-shape table (nested ``spec_generate`` calls: the counter sees more than one)."""
     draft, target, tok = pair
-    policy = importlib.import_module(type(draft).__module__.rsplit(".", 1)[0] + ".verify_policy")  # the remote copy
-    monkeypatch.delenv(policy.COST_ENV)
+    package = type(draft).__module__.rsplit(".", 1)[0]
+    cost = importlib.import_module(package + ".verify_cost")  # the remote copy
+    utils = importlib.import_module(package + ".generation_utils")
+    monkeypatch.delenv(cost.COST_ENV)
     monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path))
-    monkeypatch.setattr(policy, "_TABLES", {})
-    monkeypatch.setattr(policy, "MEASURE_ROUNDS", 1)
-    real, measuring = policy.measure, []
-
-    def measure_once(*args, **kwargs):  # a nested measurement fails here at once instead of recursing
-        if measuring:
-            pytest.fail("the table's own calls measured a table")
-        measuring.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(policy, "measure", measure_once)
+    monkeypatch.setattr(cost, "_SPEEDS", {})
+    real, calls = utils._spec_loop, []
+    monkeypatch.setattr(utils, "_spec_loop", lambda *a, **k: calls.append(1) or real(*a, **k))
     enc = encode(tok, prompts(1)[0])
     ref = target.generate(**enc, max_new_tokens=NEW, do_sample=False)
     out = target.generate(**enc, max_new_tokens=NEW, do_sample=False, custom_generate=str(PAIR / "drafter"),
                           trust_remote_code=True, assistant_model=draft)
-    assert out.tolist() == ref.tolist() and measuring == [1]
-    tables = json.loads((tmp_path / "verify_costs.json").read_text())
-    assert len(tables) == 1 and next(iter(tables.values()))["widths"] == [1, 2, 4, 8, 16]
+    assert out.tolist() == ref.tolist() and calls == [1]
+    assert len(json.loads((tmp_path / "device_speed.json").read_text())) == 1
 
 
 # ----------------------------------------------------------------------------- pipelines

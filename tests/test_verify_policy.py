@@ -17,6 +17,7 @@ import transformers
 import generation_utils
 import proposers
 import speculative_sampling
+import verify_cost
 import verify_policy
 from family_targets import family_target
 from patching import patch_called
@@ -147,11 +148,11 @@ def test_the_policy_is_the_default_and_false_gives_fixed_blocks(monkeypatch):
     ``verify_cost`` or in ``$DFLASH_VERIFY_COST``, no draft forward runs; ``adaptive_block_size=False`` drafts
     every step, whatever the variable says. All equal ``generate``. Planted bugs caught: the default resolving
     to fixed blocks (a draft forward in the first two calls); the variable not read (the table is measured
-    instead: ``measure`` must not run)."""
+    instead: ``device_speed`` must not run)."""
     target, draft = tiny_target(peaked=True), tiny_draft(block_size=BLOCK)
     ids = PROMPTS[1]
     ref = _generate(target, ids, NEW)
-    monkeypatch.setattr(verify_policy, "measure", lambda *a, **k: pytest.fail("a table was measured"))
+    monkeypatch.setattr(verify_cost, "device_speed", lambda *a, **k: pytest.fail("the device was measured"))
     by_arg = draft.spec_generate(target, ids, max_new_tokens=NEW, temperature=0.0, verify_cost=DEAR,
                                  return_dict_in_generate=True)
     monkeypatch.setenv(verify_policy.COST_ENV, _cost_json(DEAR))
@@ -375,91 +376,27 @@ def test_seeded_sampling_with_the_policy_is_reproducible(monkeypatch):
     assert torch.equal(*outs)
 
 
-def test_the_measured_table_is_kept_and_reused(tmp_path, monkeypatch):
-    """Without ``verify_cost`` the table is measured once, written to ``cost_file()`` and read back by a new
-    process (the in-process tables cleared); a bad ``verify_cost`` is refused by name before any forward."""
+def test_the_default_cost_is_modelled_and_a_bad_verify_cost_is_refused_before_any_forward(tmp_path, monkeypatch):
+    """Without ``verify_cost`` the default prices steps with the cost model on this device's constants
+    (``verify_cost.py``; its own rules: tests/test_verify_cost.py): the constants land in ``device_speed.json``,
+    no table file is written, the output equals ``generate``; a ``verify_cost`` that is no StepCost, mapping or
+    object with its fields is refused by name before any forward. Planted bugs caught: call_cost measuring
+    nothing (no file); as_step_cost not called by the argument checks (the forward runs first)."""
     monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path))
     monkeypatch.delenv(verify_policy.COST_ENV)  # conftest's pinned cost
-    monkeypatch.setattr(verify_policy, "_TABLES", {})
+    monkeypatch.setattr(verify_cost, "_SPEEDS", {})
     target, draft = tiny_target(), tiny_draft(block_size=BLOCK)
-    measured = []
-    real = verify_policy.measure
-    monkeypatch.setattr(verify_policy, "measure", lambda *a, **k: pytest.fail("measured twice (or nested)") if measured
-                        else measured.append(1) or real(*a, **k))
     ids = PROMPTS[0]
-    first = draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0, adaptive_block_size=True)
-    assert measured == [1] and (tmp_path / "verify_costs.json").exists()
-    monkeypatch.setattr(verify_policy, "_TABLES", {})
-    again = draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0, adaptive_block_size=True)
-    assert measured == [1] and torch.equal(first, again)
-    assert torch.equal(first, _generate(target, ids, 12))
-    with pytest.raises(TypeError, match="verify_cost"):
+    out = draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0, adaptive_block_size=True)
+    assert torch.equal(out, _generate(target, ids, 12))
+    assert (tmp_path / "device_speed.json").exists() and not (tmp_path / "verify_costs.json").exists()
+    monkeypatch.setattr(target, "forward", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(ValueError, match="verify_cost=.*missing keys"):
         draft.spec_generate(target, ids, max_new_tokens=4, adaptive_block_size=True, verify_cost={"draft": 1})
+    with pytest.raises(TypeError, match="verify_cost=3"):
+        draft.spec_generate(target, ids, max_new_tokens=4, verify_cost=3)
     with pytest.raises(ValueError, match="StepCost"):
         StepCost((2, 4), (1.0, 2.0), 0.1)
-
-
-def test_a_damaged_or_unwritable_cost_file_is_measured_again_with_a_warning(tmp_path, monkeypatch, caplog):
-    """A hand-edited entry of the cost file is measured again (one warning naming the file) rather than breaking
-    every later call; a cost folder that cannot be written keeps the table in the process with one warning; a call
-    of one new token (no verify step: the prefill gives it) measures nothing."""
-    monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path))
-    monkeypatch.delenv(verify_policy.COST_ENV)
-    monkeypatch.setattr(verify_policy, "_TABLES", {})
-    monkeypatch.setattr(verify_policy, "MEASURE_ROUNDS", 1)
-    target, draft = tiny_target(), tiny_draft(block_size=4)
-    ids = PROMPTS[0]
-    measured = []
-    real = verify_policy.measure
-    monkeypatch.setattr(verify_policy, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
-    draft.spec_generate(target, ids, max_new_tokens=1, temperature=0.0)
-    assert measured == [] and not (tmp_path / "verify_costs.json").exists()
-    first = draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0)
-    path = tmp_path / "verify_costs.json"
-    tables = json.loads(path.read_text())
-    path.write_text(json.dumps({k: "hello" for k in tables}))
-    monkeypatch.setattr(verify_policy, "_TABLES", {})
-    with caplog.at_level("WARNING"):
-        again = draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0)
-    assert measured == [1, 1] and torch.equal(first, again) and torch.equal(first, _generate(target, ids, 12))
-    assert "is damaged" in caplog.text and str(path) in caplog.text
-    assert all(isinstance(v, dict) for v in json.loads(path.read_text()).values())  # rewritten
-    (tmp_path / "a_file").write_text("")
-    monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path / "a_file" / "sub"))
-    monkeypatch.setattr(verify_policy, "_TABLES", {})
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        draft.spec_generate(target, ids, max_new_tokens=12, temperature=0.0)
-    assert measured == [1, 1, 1] and "cannot write the verify cost table" in caplog.text
-
-
-def test_a_measured_table_takes_the_median_round_and_leaves_the_first_step_out():
-    """``measure`` prices each width by the median over MEASURE_ROUNDS rounds of its ratio to that round's
-    plain step: one slow moment (3x at width 4 in the first round) does not enter the table, nor does a
-    machine 30% faster in another round. ``seconds_per_step`` takes the decode time of a long call less that
-    of a short one over the steps between them, so the first step (here 5 s of draft context) cancels.
-    Planted bugs caught: one round (width 4 at 3x); the long call alone (5 s / 13)."""
-    true = {1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0}  # plain steps per step at each width
-    calls = []
-
-    def seconds(w):
-        calls.append(w)
-        slow = 3.0 if w == 4 and calls.count(4) == 1 else 1.0
-        fast = 0.7 if calls.count(1) == 2 else 1.0  # the machine is faster in the second round
-        return 0.01 * true[w] * slow * fast
-
-    cost = verify_policy.measure(seconds, 8)
-    assert cost.widths == (1, 2, 4, 8) and cost.verify == tuple(verify_policy._rounded(v) for v in true.values())
-
-    class Out:
-        def __init__(self, new):
-            self.num_target_forwards = new  # prefill + one step per token (nothing accepted)
-            self.timings = {"decode_s": 5.0 + 0.02 * (new - 1)}
-
-    fake = lambda draft, target, ids, max_new_tokens, **kw: Out(max_new_tokens)
-    target = tiny_target()
-    per_step = verify_policy.seconds_per_step(fake, None, target, torch.device("cpu"), 4, None, None, 1, 1, 8)
-    assert per_step == pytest.approx(0.02)
 
 
 def test_auto_tree_budget_sizes_trees_and_keeps_the_output(monkeypatch):
