@@ -12,8 +12,12 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# At least this many verify steps that drafted before a call judges its drafter (issue 39).
+# At least this many verify steps that drafted before a call judges its drafter (issue 39), or at least
+# MIN_JUDGED_STEPS steps that tried MIN_DRAFTED_POSITIONS drafted positions between them: under the verify-length
+# policy a drafter that accepts nothing goes plain after its first steps and is probed rarely (issue 49), so the
+# evidence is counted in positions tried, as the first steps and the probes saw it.
 MIN_DRAFTING_STEPS = 16
+MIN_JUDGED_STEPS, MIN_DRAFTED_POSITIONS = 3, 8
 
 
 class _Table(str):
@@ -211,21 +215,30 @@ def drafting_acceptance(out) -> tuple:
     """``(steps, mean accepted drafts per step)`` over the call's verify steps that proposed at least one
     drafted token (all rows pooled); steps with no drafted token (``block_size=1``, a plain step) do not
     count. ``(0, None)`` when no step drafted."""
-    pairs = [(d, a) for drafted, accepted in zip(out.row_draft_lengths or [], out.row_accepted_drafts or [])
-             for d, a in zip(drafted, accepted) if d > 0]
+    pairs = _drafting_steps(out)
     return len(pairs), (sum(a for _, a in pairs) / len(pairs) if pairs else None)
 
 
+def _drafting_steps(out) -> list:
+    """``(drafted, accepted)`` of each row's verify steps that drafted."""
+    return [(d, a) for drafted, accepted in zip(out.row_draft_lengths or [], out.row_accepted_drafts or [])
+            for d, a in zip(drafted, accepted) if d > 0]
+
+
 def warn_if_not_drafting(out, threshold: Optional[float]) -> None:
-    """One logging warning when at least ``MIN_DRAFTING_STEPS`` verify steps drafted and they accepted on
-    average at most ``threshold`` drafted tokens per step (None: never). The output is not changed.
+    """One logging warning when at least ``MIN_DRAFTING_STEPS`` verify steps drafted (or at least
+    ``MIN_JUDGED_STEPS`` that drafted ``MIN_DRAFTED_POSITIONS`` positions between them: the verify-length policy's
+    first steps and probes) and they accepted on average at most ``threshold`` drafted tokens per step (None:
+    never). The output is not changed.
 
     Source: issue 39; a quantized DFlash 2 drafter accepted nothing for 155 batches and nobody was told
     (SGLang #39087, #36599); a drafter on the wrong target accepts 2-12% (z-lab/dflash #152)."""
     if threshold is None:
         return
     steps, mean = drafting_acceptance(out)
-    if steps >= MIN_DRAFTING_STEPS and mean <= threshold:
+    tried = sum(d for d, _ in _drafting_steps(out))
+    enough = steps >= MIN_DRAFTING_STEPS or (steps >= MIN_JUDGED_STEPS and tried >= MIN_DRAFTED_POSITIONS)
+    if enough and mean <= threshold:
         logger.warning(
             f"the drafter is not drafting: {steps} verify steps accepted {mean:.3f} drafted tokens per step on "
             f"average (low_acceptance_warning={threshold}). The output is the target's own, but speculative "

@@ -49,7 +49,9 @@ def test_an_untrained_drafter_warns_once_and_the_shipped_one_never(caplog):
     steps = [d for d in out.row_draft_lengths[0] if d]
     mean = sum(out.row_accepted_drafts[0]) / len(steps)
     warned = _warnings(caplog)
-    assert mean <= 0.1 and len(steps) >= 16 and len(warned) == 1, (mean, len(steps), caplog.text)
+    # under the default policy the untrained drafter goes plain after its first steps: judged on the positions
+    # its first steps and probes tried (generation_output.MIN_DRAFTED_POSITIONS), not on 16 drafting steps
+    assert mean <= 0.1 and len(steps) >= 3 and sum(steps) >= 8 and len(warned) == 1, (mean, steps, caplog.text)
     assert f"{mean:.3f}" in warned[0].getMessage() and "target_layer_ids" in warned[0].getMessage()
 
 
@@ -68,7 +70,7 @@ def test_threshold_none_and_plain_steps(caplog):
             draft.spec_generate(target, ids, max_new_tokens=40, temperature=0.0, **extra)
         assert not _warnings(caplog), extra
     caplog.clear()
-    with caplog.at_level(logging.WARNING):  # fewer than 16 drafting steps: no verdict yet
+    with caplog.at_level(logging.WARNING):  # fewer than 3 drafting steps (16 with fixed blocks): no verdict yet
         draft.spec_generate(target, ids, max_new_tokens=10, temperature=0.0)
     assert not _warnings(caplog)
     target.generation_config.low_acceptance_warning = None  # read from the generation config too

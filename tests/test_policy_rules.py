@@ -167,3 +167,78 @@ def test_a_cut_that_reads_the_drawn_tokens_probability_is_biased(monkeypatch):
     assert {1, 2} <= widths, widths
     stat, cells = _chi2(joints, counts, 3)  # the first 3 tokens: the third is the one the planted cut biases
     assert stat > _chi2_crit(cells), (stat, cells)
+
+
+def test_a_walks_cut_decides_each_slot_from_the_slots_before_it():
+    """In a walk, whether slot ``k`` is verified must not change when only slots after ``k`` change (they are
+    computed from slot k's draw): for random per-row estimates, batches and costs, ``min(width, k)`` is the
+    same whatever the later slots hold. The same check must fail for the cut that looks ahead (``walk=False``,
+    right for a DFlash 1 block whose slots are all known before any draw): the test has the power to see it."""
+    rng = random.Random(0)
+    looked_ahead = 0
+    for _ in range(300):
+        n, rows = rng.randint(2, 9), rng.randint(1, 3)
+        v = [1.0 + sum(rng.uniform(0.02, 0.4) for _ in range(k)) for k in range(1, n + 1)]  # a position: 0.02-0.4
+        policy = verify_policy.VerifyPolicy(StepCost(tuple(range(1, n + 2)), tuple([1.0] + v)), n + 1)
+        policy.plan([rng.randint(1, 50) for _ in range(rows)], list(range(rows)))
+        est = [[rng.uniform(0.3, 1.0) for _ in range(n)] for _ in range(rows)]
+        for k in range(1, n):
+            other = [e[:k] + [rng.uniform(0.3, 1.0) for _ in range(n - k)] for e in est]
+            assert min(policy._width(est, True), k) == min(policy._width(other, True), k), (est, other, k)
+            looked_ahead += min(policy._width(est, False), k) != min(policy._width(other, False), k)
+    assert looked_ahead > 10, looked_ahead
+
+
+def _flat_or_wrong(monkeypatch, target, ids, n_new, right: bool):
+    """Draft logits per slot: the target's own next token with a flat distribution (logit 0.1 over 0 for the
+    other 96 tokens: probability about 0.011, ``right``), or a wrong token held with certainty (logit 30)."""
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n_new + 20)[0]
+    real = proposers._draft_logits
+
+    def fake(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id, **kw):
+        real(draft, embed, head, anchor, ctx, draft_cache, draft_valid, start, b, mask_token_id, **kw)
+        logits = torch.zeros(anchor.shape[0], b - 1, VOCAB)
+        s = int(start[0])
+        want = ref[s + 1: s + b]
+        if right:
+            logits[0, torch.arange(b - 1), want] = 0.1
+        else:
+            logits[0, torch.arange(b - 1), (want + 1) % VOCAB] = 30.0
+        return logits
+
+    patch_called(monkeypatch, proposers, "_draft_logits", fake)
+
+
+def test_a_flat_but_right_drafter_verifies_its_whole_block_by_its_fourth_drafting_step(monkeypatch):
+    """Every draft is the target's token but the draft's distributions are flat (its own token at about 0.011):
+    the estimates learn from what is accepted, not from the confidence, so by the 4th drafting step the whole
+    block is verified (under a cost where the whole block is the best width at acceptance 1) and every later
+    step verifies it. Planted bug caught: the former per-row factor capped at 4x the confidence (the call
+    verifies 1 or 2 drafts per step to the end)."""
+    target, draft = tiny_target(peaked=True), tiny_draft(block_size=16)
+    assert verify_policy.best_width(CPU_LIKE, list(range(1, 16)))[0] == 15
+    ids = torch.tensor([[5, 29, 71, 2, 33]])
+    _flat_or_wrong(monkeypatch, target, ids, 120, right=True)
+    out = draft.spec_generate(target, ids, max_new_tokens=120, temperature=0.0, verify_cost=CPU_LIKE,
+                              return_dict_in_generate=True)
+    drafted = [d for d in out.row_draft_lengths[0] if d > 0]
+    assert drafted[3] == 15 and all(d == 15 for d in drafted[3:-1]), drafted
+
+
+def test_a_confident_but_wrong_drafter_runs_plain_from_its_fifth_step(monkeypatch, caplog):
+    """Every draft is wrong with certainty: from the 5th step on the call runs plain steps, apart from probes
+    of PROBE_BLOCK - 1 drafts at least PROBE_PATIENCE x a failed probe's waste apart, then 4x further; and
+    the not-drafting warning fires under the default (it counts the drafted positions the first steps and the
+    probes tried). Planted bug caught: trusting the confidence (the call keeps drafting)."""
+    target, draft = tiny_target(peaked=True), tiny_draft(block_size=16)
+    ids = torch.tensor([[5, 29, 71, 2, 33]])
+    _flat_or_wrong(monkeypatch, target, ids, 200, right=False)
+    with caplog.at_level(logging.WARNING):
+        out = draft.spec_generate(target, ids, max_new_tokens=200, temperature=0.0, verify_cost=CPU_LIKE,
+                                  return_dict_in_generate=True)
+    steps = out.row_draft_lengths[0]
+    probes = [i for i, d in enumerate(steps[4:], start=4) if d > 0]
+    assert all(steps[i] == verify_policy.PROBE_BLOCK - 1 for i in probes), steps
+    gaps = [b - a for a, b in zip([3] + probes, probes)]
+    assert len(probes) <= 4 and all(g > 3 for g in gaps), steps
+    assert "not drafting" in caplog.text
