@@ -214,7 +214,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _per_call(fn, device, floor: float = 0.01, most: int = 4096, runs: int = 3) -> float:
+def _per_call(fn, device, floor: float = 0.01, most: int = 4096, runs: int = 5) -> float:
     """Seconds per ``fn()``: run once (warm-up), then ``n`` calls with ``n`` doubled until they take
     ``floor``; the best of ``runs`` such batches (the least disturbed by the rest of a busy machine)."""
     fn()

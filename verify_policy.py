@@ -1,22 +1,49 @@
-"""Verify what pays: how many drafted positions each step verifies, from the draft's own confidence and the
-measured cost of a verified position (``spec_generate``'s default; ``adaptive_block_size=False`` turns it off).
+"""Verify what pays: how many drafted positions each step verifies, from the draft's own confidence, what the call
+has seen its drafts do, and the modelled cost of a verified position (``spec_generate``'s default;
+``adaptive_block_size=False`` turns it off).
 
 A verify step of ``w`` drafted positions at batch width ``A`` costs ``draft + verify(w + 1)`` plain target
 steps ([`StepCost`]) and commits, per row, ``1 + E_r(w)`` tokens on average, where
 ``E_r(w) = sum_{k<=w} prod_{j<=k} a_rj`` and ``a_rj`` is the chance that slot ``j`` is accepted once the slots
-before it were: the drafter's own estimate where it has one (DSpark's confidence head,
-``Proposal.acceptance``), else the draft's probability of its own token (``Proposal.token_probs``),
-scaled by how each row's verified steps compare with what was predicted for it (one factor per row, from
-the accept decisions only). [`VerifyPolicy`] picks the ``w`` of largest tokens per unit cost; when even the
-last drafted step's curve does not beat a plain step (``w = 0``: one position, no draft pass), the next
-steps run plain, with a draft step (a probe) after 1, 4, 16, 64, 64 ... plain steps to re-measure (the
-draft's context keeps every committed position's features meanwhile, so drafting resumes without loss). A
-call none of whose drafting steps has paid starts that series at ``PROBE_PATIENCE`` times what a probe that
-fails wastes (at batch 32 on the shipped pair about 7 plain steps, not 1), and no probe runs when fewer
-tokens are left than the wait it ends: what it could find would not pay back. The first step drafts the
-block that would pay best if each slot were accepted with ``PRIOR_ACCEPTANCE`` (0.8), not always the whole
-block. Only what is proposed changes: every committed token is still the target's own (greedy) or exactly
-its distribution.
+before it were. [`VerifyPolicy`] picks the ``w`` of most tokens per unit cost for the batch's critical row;
+when even the last drafted step's curve does not beat a plain step, the next steps run plain (no draft
+pass), with a probe after 1, 4, 16, 64, 64 ... plain steps (``PROBE_PATIENCE`` times a failed probe's waste
+first, in a call none of whose drafting steps has paid; none when fewer tokens are left than the wait). The
+draft's context keeps every committed position's features meanwhile, so drafting resumes without loss.
+
+**The estimate** ``a_rj`` ([`Observed`]): the slot's confidence (``Proposal.confidence``, or the drafter's own
+estimate where it has one: DSpark's confidence head, ``Proposal.acceptance``) is a prior worth half a trial;
+every verified slot of the call is a trial (accepted, or the first rejected) counted in its confidence bin,
+for the call and for its row, so the estimate follows what the drafter really gets accepted: flat but right
+distributions are believed after a few steps, confident wrong ones doubted. The call's first drafting step
+and every probe verify their whole block (a fixed schedule), so the estimate sees evidence the cut alone
+would never buy.
+
+**Exact by construction.** Speculative sampling commits exactly the target's distribution whatever number of
+drafted positions a step verifies, provided that number is a *stopping rule*: the decision to verify slot
+``k`` may read the committed prefix, the drafts before ``k``, distributions that do not depend on slot ``k``'s
+draw, earlier steps' verify results and randomness independent of the draws; never ``x_k`` or anything
+computed from it (notes section 11: with ``p = (0.5, 0.5)``, ``q = (0.55, 0.45)``, verifying only when the
+favoured token was drawn makes it come out with probability 0.725). Slot ``k`` verified, its draft passes the
+ratio test ``min(1, p / q)`` or is replaced from the residual, which together draw from ``p`` given the prefix;
+cut before ``k``, the bonus token is drawn from ``p`` directly; when the choice between them is independent
+of ``x_k`` given everything before it, each committed token is drawn from ``p`` given its prefix in both cases.
+The cut reads:
+
+- DFlash 1 with prefix-free processors (``speculative_sampling.prefix_free``): every slot's ``q`` comes from
+  one parallel pass before any draw, so the cut may read all of them; under random draws it reads each
+  slot's largest probability ``max q`` (``proposers.slot_confidence``), never the drawn token's ``q(x_k)``.
+- Walks (DFlash 2's selector walk, DSpark's Markov walk, DFlash 1 with a processor that reads the prefix:
+  ``Proposal.walk``): slot ``k``'s ``q`` is computed from the draws before it, so slot ``k`` is decided from
+  slots ``1..k`` and depth estimates learned in earlier steps ([`Observed.ahead`]), never from this step's
+  later slots ([`VerifyPolicy._width`]). DSpark's confidence at slot ``k`` reads ``x_{k-1}``, not ``x_k``: its
+  ``confidence_threshold`` cut and the policy's reading of it are stopping rules too.
+- ``tree_budget="auto"``: trees are built from the raw draft logits before the target's draws and committed by
+  sample-and-match, exact for any tree fixed before those draws; the cut reads path probabilities only.
+- Greedy and ``sample_draft=False`` (argmax proposals): nothing random is drafted, so any cut is exact; the
+  cut reads the chosen tokens' own probabilities and looks ahead.
+- The estimates learn from earlier steps' accept decisions only; a seeded call's widths depend only on the
+  seed, the committed tokens, the draft's distributions and the cost, which is fixed before the first forward.
 
 Where the cost comes from: ``verify_cost.py`` ([`verify_cost.call_cost`]): the caller's ``verify_cost``, else
 ``$DFLASH_VERIFY_COST``, else a cost model from the models' shapes priced by this device's constants, measured
@@ -45,6 +72,7 @@ PRIOR_ACCEPTANCE = 0.8  # the first step's block assumes each slot is accepted w
 BINS = 10  # Observed: trials are counted per confidence bin of width 1 / BINS
 PRIOR_WEIGHT = 0.5  # Observed: a slot's raw confidence counts as this many trials of its bin
 ROW_WEIGHT = 4.0  # Observed: the call's estimate counts as this many trials against a row's own
+DECAY = 0.8  # Observed: at each drafting step, earlier trials weigh this much less
 
 logger = logging.get_logger(__name__)
 
@@ -81,6 +109,7 @@ class Observed:
         self.call = [[0.0, 0.0] for _ in range(BINS)]  # per bin: accepted, tried
         self.rows = {}  # row id -> per bin [accepted, tried]
         self.depths = {}  # depth (1 = first drafted slot) -> [accepted, tried]
+        self.row_depths = {}  # row id -> {depth: [accepted, tried]}
 
     @staticmethod
     def _bin(c: float) -> int:
@@ -93,18 +122,36 @@ class Observed:
         racc, rtried = self.rows[row][b] if row in self.rows else (0.0, 0.0)
         return (ROW_WEIGHT * call + racc) / (ROW_WEIGHT + rtried)
 
-    def ahead(self, depth: int) -> float:
+    def ahead(self, depth: int, row=None) -> float:
+        """Depth ``depth``'s chance learned from earlier steps (the call's, then ``row``'s own against it)."""
         acc, tried = self.depths.get(depth, (0.0, 0.0))
-        return (PRIOR_WEIGHT * PRIOR_ACCEPTANCE + acc) / (PRIOR_WEIGHT + tried)
+        call = (PRIOR_WEIGHT * PRIOR_ACCEPTANCE + acc) / (PRIOR_WEIGHT + tried)
+        racc, rtried = self.row_depths.get(row, {}).get(depth, (0.0, 0.0))
+        return (ROW_WEIGHT * call + racc) / (ROW_WEIGHT + rtried)
+
+    def expected(self, row, n: int) -> list:
+        """Row ``row``'s expected accepted drafts at widths ``1..n`` from the depth estimates alone (what the
+        next step's plan weighs before its draft is seen)."""
+        return _curve([self.ahead(k, row) for k in range(1, n + 1)])
 
     def add(self, row, confidences: list, accepted: int) -> None:
         """Row ``row`` verified slots of ``confidences`` (host floats, in slot order) and accepted ``accepted``."""
         per_row = self.rows.setdefault(row, [[0.0, 0.0] for _ in range(BINS)])
+        row_depths = self.row_depths.setdefault(row, {})
         for depth, c in enumerate(confidences[: accepted + 1], start=1):
             hit = float(depth <= accepted)
-            for counts in (self.call[self._bin(c)], per_row[self._bin(c)], self.depths.setdefault(depth, [0.0, 0.0])):
+            for counts in (self.call[self._bin(c)], per_row[self._bin(c)], self.depths.setdefault(depth, [0.0, 0.0]),
+                           row_depths.setdefault(depth, [0.0, 0.0])):
                 counts[0] += hit
                 counts[1] += 1.0
+
+    def fade(self) -> None:
+        """Older trials weigh ``DECAY`` times less at each drafting step: a drafter that starts badly and then
+        follows (or the reverse) is seen within a few steps (``"def add(a, b):"``, issue 49 item 5)."""
+        for table in [self.call, *self.rows.values(), self.depths.values(), *(d.values() for d in self.row_depths.values())]:
+            for counts in table:
+                counts[0] *= DECAY
+                counts[1] *= DECAY
 
 
 def _curve(estimates: list) -> list:
@@ -212,9 +259,10 @@ class VerifyPolicy:
         n = len(estimates[0])
         if not walk:
             return max(1, best_width(self.cost, self._critical([_curve(e) for e in estimates]))[0])
-        ahead = [self.observed.ahead(k) for k in range(1, n + 1)]
+        _, ids = self._rows(len(estimates))
+        ahead = [[self.observed.ahead(k, i) for k in range(1, n + 1)] for i in ids]
         for k in range(2, n + 1):
-            curve = self._critical([_curve(e[:k] + ahead[k:]) for e in estimates])
+            curve = self._critical([_curve(e[:k] + a[k:]) for e, a in zip(estimates, ahead)])
             stop = (1.0 + curve[k - 2]) / self.cost.step(k - 1)
             if all((1.0 + e) / self.cost.step(w) < stop for w, e in enumerate(curve[k - 1:], start=k)):
                 return k - 1
@@ -267,11 +315,11 @@ class VerifyPolicy:
                 seen[0], seen[1] = seen[0] + p, seen[1] + min(a, width)
         else:
             ids, confs = self.chosen
+            self.observed.fade()
             for i, row, a in zip(ids, confs, accepted):
                 self.observed.add(i, row, a)
-            # the next plan weighs the last step's confidences under what this step taught
-            self.effective = self._critical([_curve([self.observed.estimate(i, c) for c in row]) or [0.0]
-                                             for i, row in zip(ids, confs)])
+            # the next plan weighs what each row's drafts have been getting accepted, depth by depth
+            self.effective = self._critical([self.observed.expected(i, self.block - 1) for i in ids])
         self.chosen = None
 
 

@@ -253,10 +253,14 @@ def test_a_policy_that_stops_drafting_probes_again_and_resumes():
     assert policy.cut(_proposal([[0.99] * 3])).tokens.shape[1] == 3  # the probe's whole block pays
     policy.record([3])
     assert policy.plan() == 8  # 2 x (3 + 1): the block doubles past the cut that hit its end
-    policy.cut(_proposal([[0.01] * 7]))
-    policy.record([0])
-    plans = [policy.plan() for _ in range(8)]
-    assert plans == [1, 4, 1, 1, 1, 1, 4, 1], plans  # drafting paid once in this call: probes after 1, then 4
+    failing = 0
+    while policy.plan() > 1:  # steps that accept nothing until the learned estimate no longer pays
+        policy.cut(_proposal([[0.01] * 7]))
+        policy.record([0])
+        failing += 1
+    assert 1 <= failing <= 3, failing  # a few failed steps outweigh the one that paid (Observed.fade)
+    plans = [policy.plan() for _ in range(7)]
+    assert plans == [4, 1, 1, 1, 1, 4, 1], plans  # drafting paid once in this call: probes after 1, then 4
     policy.cut(_proposal([[0.01] * 3]))
     policy.record([0])
     assert [policy.plan(remaining=[16]) for _ in range(20)] == [1] * 20  # 16 left, not more than the wait of 16
