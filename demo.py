@@ -15,8 +15,8 @@ through ``AutoModelForCausalLM`` / ``AutoTokenizer``, continues real held-out pr
 speculative decoding (``spec_generate``'s default: the verify-length policy, ``verify_policy.py``, chooses
 each step how many drafted tokens to verify), prints the generated code, the acceptance length tau, the
 per-position acceptance and tokens/s against the target alone (``target.generate``, same prompts, same run,
-after a warm-up that runs every prompt once: on a machine's first run it also measures the policy's cost
-tables, once per prompt shape, kept for later runs in ``verify_policy.cost_file()``), and CHECKS that
+after a warm-up; a machine's first run also measures the policy's device constants, a few raw matmuls in
+under a second, kept for later runs in ``verify_cost.speed_file()``), and CHECKS that
 every output equals the target's own greedy output (exit status 1 otherwise). In bfloat16
 (``--dtype bfloat16``) a verify block and a one-token forward round differently, so greedy outputs may
 part where two logits are nearly tied: the demo then prints each prompt's first differing token with
@@ -184,14 +184,11 @@ def run(args) -> int:
                                    adaptive_block_size=False if args.fixed_blocks else None,  # None: the default
                                    return_dict_in_generate=True)
 
-    # warm-up (allocator, kernels, lazy imports) for both paths; the policy's cost table of each prompt's shape
-    # is measured on a machine's first run, so every prompt runs once at full length before the timed runs
+    # warm-up (allocator, kernels, lazy imports; on a machine's first run the policy's device constants) for both
     t_warm = time.perf_counter()
     target_alone(encoded[0], 8)
-    for ids in encoded[:1] if args.fixed_blocks else encoded:
-        speculative(ids, 8 if args.fixed_blocks else args.max_new_tokens)
-    print(f"warm-up {time.perf_counter() - t_warm:.1f}s" + ("" if args.fixed_blocks else
-          " (a first run on this machine also measures the verify-length policy's cost tables, kept for later runs)"))
+    speculative(encoded[0], 8)
+    print(f"warm-up {time.perf_counter() - t_warm:.1f}s")
 
     t_ref = t_spec = 0.0
     n_ref = n_spec = 0

@@ -204,29 +204,30 @@ def spec_generate(
             committed chunk, never a token past a stop.
         output_timings: add device-synchronised wall-clock timings (seconds) to the output.
         adaptive_block_size: None (default) or True: the verify-length policy (``verify_policy.py``) chooses
-            each step how many drafted positions to verify, from the draft's probability of its own tokens (a
-            DSpark drafter's confidence head where it has one) and the cost of a verified position on this
-            target, device and batch width; a step may verify none (a plain target step without a draft pass:
-            ``row_draft_lengths`` 0, counted apart in ``plain_steps``). Outputs are unchanged. False: every
-            step drafts and verifies the whole block. The default runs the policy wherever it applies and
-            otherwise the fixed blocks without a word (the static loop, an integer ``tree_budget``); True asks
-            for it (one info log on the static loop, ValueError with an integer ``tree_budget``). The first
-            call of a shape measures the cost table (about 50 short greedy calls; seconds), see ``verify_cost``.
-        verify_cost: a ``verify_policy.StepCost`` for the policy, instead of ``$DFLASH_VERIFY_COST`` (the same
-            as JSON) or the table measured once per target / drafter / device / batch and context bucket and
-            kept in ``verify_policy.cost_file()``; pins the policy, e.g. for seeded sampling across machines.
+            each step how many drafted positions to verify, from the draft's confidence (a DSpark drafter's
+            confidence head where it has one), what the call has seen its drafts get accepted, and the modelled
+            cost of a verified position on this target, device and batch width; a step may verify none (a plain
+            target step without a draft pass: ``row_draft_lengths`` 0, counted apart in ``plain_steps``). The
+            cut is a stopping rule, so outputs are unchanged, sampled ones included. False: every step drafts
+            and verifies the whole block. The default runs the policy wherever it applies and otherwise the
+            fixed blocks without a word (the static loop, an integer ``tree_budget``); True asks for it (one
+            info log on the static loop, ValueError with an integer ``tree_budget``). No generation runs for
+            the cost: a machine's first call measures a few raw matmuls once (under a second,
+            ``verify_cost.device_speed``).
+        verify_cost: the policy's cost, instead of ``$DFLASH_VERIFY_COST`` (the same as JSON) or the model
+            of ``verify_cost.py``: a ``StepCost`` (from any copy of the module), a mapping ``{"widths": ...,
+            "verify": ..., "draft": ...}`` or an object with those fields; pins the policy, e.g. for identical
+            seeded tokens across machines.
             ValueError with ``adaptive_block_size=False``.
         draft_window: None (default: the draft attends over the whole context), or an integer N >= 1: every
             draft layer attends to at most the last N context positions before the anchor, plus the block
             (a layer with its own ``sliding_window`` W keeps it too: W - 1 context positions before the
             anchor, so the smaller one rules). Only the drafts change, never the output (the target
             verifies as always). Cost: at batch 1 without padding the draft's attention reads only those
-            N + block keys (per-step attention O(N) instead of O(context)); in a ragged batch and on the
-            static loop the keys stay and the mask hides them. Memory: the draft's context cache keeps every position (cropped by length
-            each step, as without a window), because a ``DynamicCache`` has no public way to drop its
-            oldest entries and a returned cache (``cache_reuse.py``) must hold the whole context; it is
-            ``2 * num_hidden_layers * num_key_value_heads * head_dim`` values per position (20 KiB in
-            bf16 for a 5-layer Qwen3-8B drafter: 40 MB at 2k positions), small next to the target's.
+            N + block keys; in a ragged batch and on the static loop the keys stay and the mask hides them.
+            Memory: the draft's context cache keeps every position (a ``DynamicCache`` cannot drop its oldest
+            entries, and a returned cache must hold the whole context): ``2 * layers * kv_heads * head_dim``
+            values per position (40 MB at 2k positions for a 5-layer Qwen3-8B drafter in bf16).
             z-lab's MLX loop (``dflash/model_mlx.py``, ``sliding_window_size``) bounds the memory with a
             rotating cache instead, and its window is looser: the first draft pass sees the whole prompt,
             later ones the last N - 1 cached positions plus the step's new ones (up to N + 15).
@@ -238,7 +239,7 @@ def spec_generate(
         mask_token_id: override of ``draft.config.mask_token_id``.
         low_acceptance_warning: accepted drafts per step (default 0.1, or the ``generation_config``'s
             ``low_acceptance_warning`` attribute) at or under which a call that ran at least 16 verify steps
-            with drafted tokens logs one warning that the drafter is not drafting, naming the figure and the
+            with drafted tokens (or 3 that tried 8 drafted positions) logs one warning that the drafter is not drafting, naming the figure and the
             usual causes (``generation_output.warn_if_not_drafting``; steps with no drafted token do not
             count). None: never. The output is never changed by it.
         tree_budget: None (default: each step verifies one chain of drafts), or an integer N >= 1: each step

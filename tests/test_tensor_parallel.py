@@ -59,3 +59,14 @@ def test_every_rank_equals_the_sharded_targets_generate(ranks, call):
 
 def test_seeded_sampling_gives_the_same_tokens_on_every_rank(ranks):
     assert ranks[0]["sampled"] == ranks[1]["sampled"]
+
+
+def test_ranks_with_different_device_constants_choose_the_same_widths(ranks):
+    """tp_worker hands rank 0 GPU-like and rank 1 compute-bound device constants: alone, their cost models would
+    choose other widths (a collective-shape mismatch on a real sharded verify); rank 0's cost is shared.
+    Planted bug caught: ``verify_cost.call_cost`` not calling ``shared_cost`` (the ranks' widths differ, or
+    the run hangs on mismatched collectives)."""
+    for key in ("sampled_widths",):
+        assert ranks[0][key] == ranks[1][key]
+    for call in ("batch1", "ragged"):
+        assert ranks[0][call]["widths"] == ranks[1][call]["widths"], call
