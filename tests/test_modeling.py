@@ -217,6 +217,9 @@ def test_reference_loop_agrees_with_spec_generate():
     target, draft = tiny_target(), tiny_draft()
     ids = torch.randint(0, 96, (1, 6))
     ref, ref_acc = reference_spec_generate(draft, target, ids, max_new_tokens=20, block_size=4)
-    out = draft.spec_generate(target, ids, max_new_tokens=20, temperature=0.0, return_dict_in_generate=True)
+    # fixed blocks: the reference loop drafts and verifies the whole block every step (its acceptance lengths)
+    out = draft.spec_generate(target, ids, max_new_tokens=20, temperature=0.0, return_dict_in_generate=True,
+                              adaptive_block_size=False)
     assert torch.equal(out.sequences, ref)
     assert out.acceptance_lengths == ref_acc
+    assert torch.equal(draft.spec_generate(target, ids, max_new_tokens=20, temperature=0.0), ref)  # the default too

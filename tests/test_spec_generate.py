@@ -31,7 +31,9 @@ def reference(kind, prompt_len, max_new_tokens=64):
 def oracle(monkeypatch):
     """Draft logits replaced by an oracle right for a scripted number of slots per step; checks caches."""
 
-    def install(ref, script, target):
+    def install(ref, script, target, required=True):
+        """``required=False``: the loop may run without drafting (the default policy, when its cost says a
+        drafted position never pays), so the oracle is patched without the never-called check."""
         calls = []
         real = proposers._draft_logits
 
@@ -45,7 +47,10 @@ def oracle(monkeypatch):
             want[right:] = (want[right:] + 1) % VOCAB  # wrong from slot right+1 on
             return torch.nn.functional.one_hot(want, VOCAB).float()[None] * 30
 
-        patch_called(monkeypatch, proposers, "_draft_logits", fake)
+        if required:
+            patch_called(monkeypatch, proposers, "_draft_logits", fake)
+        else:
+            monkeypatch.setattr(proposers, "_draft_logits", fake)
         target_cache_lengths = []
 
         def pre_hook(module, args, kwargs):
@@ -70,26 +75,45 @@ def test_greedy_equals_target_generate_random_draft(kind, block_size):
             assert sum(out.acceptance_lengths) == max_new - 1  # the prefill made the first token
 
 
+@pytest.mark.parametrize("adaptive", [None, False], ids=["default", "fixed"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 @pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_greedy_equals_target_generate_oracle_draft(kind, block_size, oracle):
-    """Oracle right for 0, some, all slots: acceptance = script + 1, caches cut to the committed length."""
+def test_greedy_equals_target_generate_oracle_draft(kind, block_size, adaptive, oracle):
+    """Oracle right for 0, some, all slots: acceptance = script + 1 (the script's count capped by the drafted
+    positions the step verified), caches cut to the committed length. Fixed blocks: every step drafts the whole
+    block (capped by the budget), so the steps are the oracle's calls in order. The default policy (cost as
+    users run it, modelled on this device): plain steps (no draft pass, acceptance 1) between drafting steps,
+    and drafting steps verifying a cut of their block; its drafting steps are the oracle's calls in order."""
     target, draft = TARGETS[kind], tiny_draft(block_size=16)
     script = [0, block_size - 1, 1, 3, block_size - 1, 2]
+    drafted_any = False
     for prompt_len, max_new in itertools.product((1, 15, 50), (2, 17, 64)):
         ref = reference(kind, prompt_len, max_new)
-        calls, target_lengths, handle = oracle(reference(kind, prompt_len), script, target)
+        calls, target_lengths, handle = oracle(reference(kind, prompt_len), script, target,
+                                               required=adaptive is False)
         try:
             out = draft.spec_generate(target, PROMPTS[prompt_len], max_new_tokens=max_new, temperature=0.0,
-                                      block_size=block_size, return_dict_in_generate=True)
+                                      block_size=block_size, return_dict_in_generate=True,
+                                      adaptive_block_size=adaptive)
         finally:
             handle.remove()
         assert torch.equal(out.sequences, ref)
-        expected = [min(script[i % len(script)], b - 1) + 1 for i, (_, b) in enumerate(calls)]
-        assert out.acceptance_lengths[: len(calls)] == expected
-        assert all(n == 1 for n in out.acceptance_lengths[len(calls):])  # steps with b == 1 draft nothing
+        (verified,) = out.row_draft_lengths  # drafted positions each step verified (0: a plain step)
+        drafting = [i for i, d in enumerate(verified) if d > 0]
+        assert len(drafting) == len(calls), (verified, calls)
+        expected = [1] * len(verified)  # plain steps commit the target's token alone
+        for j, (i, (_, b)) in enumerate(zip(drafting, calls)):
+            assert 1 <= verified[i] <= b - 1, (verified, calls)
+            expected[i] = min(script[j % len(script)], verified[i]) + 1
+        assert out.acceptance_lengths == expected, (verified, calls)
+        if adaptive is False:  # the whole block (capped by the budget) every step, then steps with b == 1
+            assert drafting == list(range(len(calls))), (verified, calls)
+            assert [verified[i] for i in drafting] == [b - 1 for _, b in calls], (verified, calls)
+        drafted_any |= bool(calls)
         assert all(length == pos for length, pos in target_lengths)  # target cache == committed, each step
         assert target_lengths[0] == (0, 0) and out.num_target_forwards == len(target_lengths)
+    # a fully accepted block of 4 or more pays on any device, so the default drafts at least its first step
+    assert drafted_any or (adaptive is None and block_size == 2)
 
 
 def test_stop_token_inside_an_accepted_block(oracle):
@@ -327,8 +351,8 @@ def test_feature_at_the_anchor_is_invisible_the_one_before_is_seen(monkeypatch, 
         patch_called(monkeypatch, generation_utils, "capture_target_features", capture)
         calls = _spy_draft_calls(monkeypatch)
         o_handle = oracle(reference("qwen3", 3), [0], target)[2]  # always rejected: every position anchors
-        try:
-            draft.spec_generate(target, PROMPTS[3], max_new_tokens=12, temperature=0.0)
+        try:  # fixed blocks: every position anchors a draft only if every step drafts (the policy runs plain)
+            draft.spec_generate(target, PROMPTS[3], max_new_tokens=12, temperature=0.0, adaptive_block_size=False)
         finally:
             handle.remove()
             o_handle.remove()
