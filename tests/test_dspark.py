@@ -404,11 +404,13 @@ def _markov_sampler(tmp_path, target, prompt):
     return DFlashDraftModel.from_pretrained(folder).eval()
 
 
-@pytest.mark.parametrize("bug", [None, "q_before_the_markov_correction"])
-def test_sampled_output_is_the_targets_distribution(tmp_path, monkeypatch, bug):
+@pytest.mark.parametrize("bug,cost", [(None, None), (None, "cut"), ("q_before_the_markov_correction", None)])
+def test_sampled_output_is_the_targets_distribution(tmp_path, monkeypatch, bug, cost):
     """Chi-square of the joint of 4 new tokens (3 of them drafted by the Markov walk) against the exact
     top-k 2 distribution of the target; a q taken before the Markov correction must be rejected. The
-    correction changes the argmax token on at least a third of the drafted slots (asserted)."""
+    correction changes the argmax token on at least a third of the drafted slots (asserted). ``cost="cut"``:
+    a verify cost under which the policy's cut of the walk varies with the slots' confidences (a walk: slot k
+    decided from slots <= k, ``verify_policy.VerifyPolicy._width``); the widths are asserted to vary."""
     import proposers
     from patching import patch_called
     from tiny import tiny_target
@@ -430,15 +432,21 @@ def test_sampled_output_is_the_targets_distribution(tmp_path, monkeypatch, bug):
 
     patch_called(monkeypatch, proposers.DSparkProposer, "choose", choose)
     counts, gen = {}, torch.Generator().manual_seed(0)
-    accepted = 0
+    accepted, widths = 0, set()
+    extra = {} if cost is None else {"verify_cost": {"widths": [1, 2, 4], "verify": [1.0, 1.2, 1.5]}}
+    if cost is not None:  # the first step cut too (not observed whole), learning off: the cut decides each step
+        from test_policy_rules import _decisive_policy
+        _decisive_policy(monkeypatch)
     for _ in range(CALLS):
         out = draft.spec_generate(target, torch.tensor([prompt] * ROWS), max_new_tokens=N_NEW, do_sample=True,
-                                  temperature=1.0, top_k=TOP_K, generator=gen, return_dict_in_generate=True)
+                                  temperature=1.0, top_k=TOP_K, generator=gen, return_dict_in_generate=True, **extra)
         accepted += sum(sum(r) for r in out.row_accepted_drafts)
+        widths |= {d for r in out.row_draft_lengths for d in r if d}
         for row in out.sequences[:, len(prompt):].tolist():
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
     assert sum(changed) / len(changed) >= 1 / 3, changed
     assert accepted >= ROWS * CALLS // 2  # the walk's drafts were accepted, so its q mattered
+    assert cost is None or len(widths) > 1, widths
     n = ROWS * CALLS
     impossible = set(counts) - set(joint)
     big = [c for c in joint if joint[c] * n >= 5]
