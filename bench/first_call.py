@@ -22,8 +22,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def one_shape(batch: int, context: int, new: int) -> dict:
-    """Run in a fresh process: two default calls of the same shape; their wall seconds."""
+def one_shape(batch: int, context: int, new: int, fixed: int = 0) -> dict:
+    """Run in a fresh process: two calls of the same shape (the default, or ``fixed`` blocks); wall seconds."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -35,7 +35,8 @@ def one_shape(batch: int, context: int, new: int) -> dict:
     times = []
     for _ in range(2):
         t = time.perf_counter()
-        draft.spec_generate(target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, temperature=0.0)
+        draft.spec_generate(target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, temperature=0.0,
+                            adaptive_block_size=False if fixed else None)
         times.append(time.perf_counter() - t)
     return {"first": times[0], "second": times[1]}
 
@@ -46,28 +47,31 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 2048])
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--processes", type=int, default=3)
-    parser.add_argument("--one", nargs=3, type=int, help=argparse.SUPPRESS)  # batch context new: the child
+    parser.add_argument("--one", nargs=4, type=int, help=argparse.SUPPRESS)  # batch context new fixed: the child
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(one_shape(*args.one)))
         return 0
-    print("| batch | context | first - second, s (median) | first, s | second, s | max(1 s, 10% of second) |")
-    print("|---|---|---|---|---|---|")
+    print("| batch | context | default: first - second, s | first, s | second, s | max(1 s, 10% of second) "
+          "| fixed blocks: first - second, s |")
+    print("|---|---|---|---|---|---|---|")
     for batch in args.batches:
         for context in args.contexts:
-            runs = []
+            runs = {0: [], 1: []}
             for _ in range(args.processes):
-                with tempfile.TemporaryDirectory() as cache:
-                    env = dict(os.environ, DFLASH_HF_CACHE=cache)
-                    env.pop("DFLASH_VERIFY_COST", None)
-                    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", str(batch), str(context),
-                                          str(args.new)], env=env, capture_output=True, text=True, check=True)
-                    runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            gap = statistics.median(r["first"] - r["second"] for r in runs)
-            first = statistics.median(r["first"] for r in runs)
-            second = statistics.median(r["second"] for r in runs)
-            print(f"| {batch} | {context} | {gap:.2f} | {first:.2f} | {second:.2f} | {max(1.0, 0.1 * second):.2f} |",
-                  flush=True)
+                for fixed in (0, 1):  # interleaved: the default, then fixed blocks, each in a fresh process
+                    with tempfile.TemporaryDirectory() as cache:
+                        env = dict(os.environ, DFLASH_HF_CACHE=cache)
+                        env.pop("DFLASH_VERIFY_COST", None)
+                        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", str(batch),
+                                              str(context), str(args.new), str(fixed)], env=env, capture_output=True,
+                                             text=True, check=True)
+                        runs[fixed].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            gap, fixed_gap = (statistics.median(r["first"] - r["second"] for r in runs[f]) for f in (0, 1))
+            first = statistics.median(r["first"] for r in runs[0])
+            second = statistics.median(r["second"] for r in runs[0])
+            print(f"| {batch} | {context} | {gap:.2f} | {first:.2f} | {second:.2f} | {max(1.0, 0.1 * second):.2f} "
+                  f"| {fixed_gap:.2f} |", flush=True)
     return 0
 
 
