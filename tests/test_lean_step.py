@@ -38,11 +38,12 @@ def sync_counter(monkeypatch):
     return counts
 
 
-@pytest.mark.parametrize("adaptive, per_step", [(False, 1), (None, 2)])
-def test_batch_1_unpadded_step_syncs_only_for_the_acceptance_decision(sync_counter, adaptive, per_step):
+@pytest.mark.parametrize("adaptive, per_draft", [(False, 0), (None, 1)])
+def test_batch_1_unpadded_step_syncs_only_for_the_acceptance_decision(sync_counter, adaptive, per_draft):
     """Default config (greedy, eos only; no stop strings, processors or streamer): with fixed blocks every
     extra verify step costs exactly one host transfer, the one that carries the accepted count and tokens;
-    the default verify-length policy adds one, its cut (the draft's probabilities, read before the verify)."""
+    the default verify-length policy adds one to each step that drafts, its cut (the draft's probabilities,
+    read before the verify), and none to a plain step (no draft pass, nothing to cut)."""
     target, draft = tiny_target(peaked=True), tiny_draft(block_size=8)
     target.generation_config.eos_token_id = VOCAB - 2  # a stop token that the check on the host must see
     ids = torch.randint(0, VOCAB - 3, (1, 7), generator=torch.Generator().manual_seed(0))
@@ -51,10 +52,11 @@ def test_batch_1_unpadded_step_syncs_only_for_the_acceptance_decision(sync_count
         sync_counter.clear()
         out = draft.spec_generate(target, ids, max_new_tokens=max_new, return_dict_in_generate=True,
                                   adaptive_block_size=adaptive)
-        runs.append((len(out.acceptance_lengths), sum(sync_counter.values()), dict(sync_counter)))
-    (steps_a, syncs_a, _), (steps_b, syncs_b, detail) = runs
+        drafting = sum(d > 0 for d in out.row_draft_lengths[0])
+        runs.append((len(out.acceptance_lengths), drafting, sum(sync_counter.values()), dict(sync_counter)))
+    (steps_a, drafting_a, syncs_a, _), (steps_b, drafting_b, syncs_b, detail) = runs
     assert steps_b - steps_a >= 10, runs  # enough steps to see a per-step cost
-    assert syncs_b - syncs_a == per_step * (steps_b - steps_a), runs
+    assert syncs_b - syncs_a == (steps_b - steps_a) + per_draft * (drafting_b - drafting_a), runs
 
 
 def test_a_batch_with_holes_keeps_its_masks_and_stays_exact():
