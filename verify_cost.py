@@ -440,11 +440,28 @@ def calibrate(device="cpu", dtype=torch.float32) -> DeviceSpeed:
 # ----------------------------------------------------------------------------- the cost model
 
 
+def _attr(config, name: str):
+    """``config.<name>`` as a number, or None. A heterogeneous config (transformers 5.24's per-layer configs,
+    Gemma 4) raises on a global read of a per-layer attribute (``AmbiguousGlobalPerLayerAttributeError``, not an
+    AttributeError): then the largest over its layers; a per-layer list gives its largest entry."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # noqa: BLE001  (the per-layer refusal is a RuntimeError subclass of a private module)
+        try:
+            layers = list(getattr(config, "per_layer_config", None) or [])
+        except Exception:  # noqa: BLE001
+            layers = []
+        value = max((v for v in (_attr(layer, name) for layer in layers) if v), default=None)
+    if isinstance(value, (list, tuple)):
+        value = max((v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)), default=None)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _shape(config) -> dict:
     """The numbers a forward's time is computed from, read through ``get_text_config()`` where it exists."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    get = lambda *names, default=None: next((getattr(config, n) for n in names if getattr(config, n, None)), default)
+    get = lambda *names, default=None: next((_attr(config, n) for n in names if _attr(config, n)), default)
     hidden = get("hidden_size", "d_model", "n_embd")
     heads = get("num_attention_heads", "n_head", default=1)
     experts = get("num_local_experts", "num_experts", "n_routed_experts", default=0)

@@ -241,7 +241,7 @@ def test_a_policy_that_stops_drafting_probes_again_and_resumes():
     """After a step whose curve does not pay, the next steps are plain, then a probe drafts a block of
     PROBE_BLOCK: in a call that never drafted with profit, after PROBE_PATIENCE x the probe's waste (MIDDLE:
     a probe costs 0.3 + 1 + 3 x 0.25 = 2.05 plain steps, so 4 x 1.05 -> 4), then 16 ... plain steps; once a
-    step paid, after 1, then 4. A step that pays resumes drafting at once, with the block sized from the width
+    step paid, after 1, 2, 4 ... (a drafter that paid once is likely to again: ``"def add(a, b):"``). A step that pays resumes drafting at once, with the block sized from the width
     it verified; no probe runs when fewer tokens are left than the wait it ends. Planted bugs caught: the
     first wait kept at 1 (plans [1, 4, ...]); the remaining tokens ignored."""
     policy = verify_policy.VerifyPolicy(MIDDLE, 8)
@@ -260,11 +260,12 @@ def test_a_policy_that_stops_drafting_probes_again_and_resumes():
         failing += 1
     assert 1 <= failing <= 3, failing  # a few failed steps outweigh the one that paid (Observed.fade)
     plans = [policy.plan() for _ in range(7)]
-    assert plans == [4, 1, 1, 1, 1, 4, 1], plans  # drafting paid once in this call: probes after 1, then 4
+    assert plans == [4, 1, 1, 4, 1, 1, 1], plans  # drafting paid once in this call: probes after 1, then 2, 4
     policy.cut(_proposal([[0.01] * 3]))
     policy.record([0])
-    assert [policy.plan(remaining=[16]) for _ in range(20)] == [1] * 20  # 16 left, not more than the wait of 16
-    assert policy.plan(remaining=[17]) == 4
+    wait = policy.wait  # 4 after the probes that came after 1 and 2 plain steps
+    assert wait == 4 and [policy.plan(remaining=[wait]) for _ in range(12)] == [1] * 12  # too few tokens left
+    assert policy.plan(remaining=[wait + 1]) == 4
 
 
 def test_the_drafted_block_follows_the_width_verified():
