@@ -71,6 +71,18 @@ def _set_states(layer, conv, recurrent):
     layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
 
 
+def _token_count(layer):
+    """A linear cache layer's token counter, or None where there is none (transformers < 5.25).
+
+    transformers 5.25 counts the tokens a linear-attention layer has absorbed in ``cumulative_length_linear``
+    (a 0-dim LongTensor, moved in place by ``update_conv_state`` and by its own ``crop``), and reads it as the
+    cache's length: ``Cache.get_seq_length()`` asks layer 0, a linear layer in every published hybrid stack,
+    and ``generate``'s ``_prefill``, the model's default positions and Qwen3.5's mRoPE offsets take that
+    length. ``HybridCache`` moves it as the attention layers move (``crop``) and leaves it where it was
+    across a replay (``_restore_layer``)."""
+    return getattr(layer, "cumulative_length_linear", None)
+
+
 def check_target_cache(target):
     """Refuse, before any forward, a target whose cache ``spec_generate`` cannot roll back exactly.
 
@@ -133,9 +145,24 @@ class HybridCache(DynamicCache):
         self._cache_kw = "cache" if "cache" in params else "cache_params"
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Cut ``-tokens_to_remove`` tokens off the attention layers (negative counts, as 5.x's ``crop``).
+
+        The linear layers' states are left for ``restore_linear_states``; only their token counter
+        (``_token_count``, transformers >= 5.25) follows the attention layers, so that the cache's length stays
+        the same whichever layer is asked (it drifted by every rejected draft: issue 48)."""
         for layer in self.layers:
             if not _is_linear(layer):
                 layer.crop(tokens_to_remove)
+            elif _token_count(layer) is not None:
+                _token_count(layer).sub_(abs(tokens_to_remove))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held by layer ``layer_idx``, a Python int; a linear layer answers with the first attention
+        layer's length (as transformers 5.24's ``Cache`` does; 5.25's returns the linear layer's own counter,
+        a 0-dim tensor that later forwards move in place, so a length kept from it changes under the holder)."""
+        if layer_idx < len(self.layers) and _is_linear(self.layers[layer_idx]):
+            layer_idx = next((i for i, layer in enumerate(self.layers) if not _is_linear(layer)), layer_idx)
+        return int(super().get_seq_length(layer_idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for layer in self.layers:
@@ -234,12 +261,16 @@ def _restore_layer(cache: "HybridCache", i: int, committed: torch.Tensor) -> Non
     snap_conv, snap_recurrent = cache._snapshots[i]
     assert snap_conv.shape == conv_now.shape and snap_recurrent.shape == recurrent_now.shape, f"layer {i}"
     assert inputs.shape[0] == committed.shape[0], (i, tuple(inputs.shape), tuple(committed.shape))
+    count = _token_count(layer)
+    counted = None if count is None else count.clone()  # the replay re-counts tokens the cache already holds
     for rows, length in _replay_groups(committed, inputs.shape[1]):
         _set_states(layer, snap_conv[rows].clone(), snap_recurrent[rows].clone())
         mixer(hidden_states=inputs[rows, :length], **{cache._cache_kw: cache})  # updates the states in place
         conv_rows, recurrent_rows = _states(layer)
         conv_now[rows], recurrent_now[rows] = conv_rows.to(conv_now.dtype), recurrent_rows.to(recurrent_now.dtype)
     _set_states(layer, conv_now, recurrent_now)
+    if counted is not None:
+        count.copy_(counted)
 
 
 def recording(cache):

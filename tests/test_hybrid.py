@@ -162,6 +162,25 @@ def test_restored_states_equal_a_prefill_of_the_committed_tokens(kind):
     _assert_states_equal_prefill(kind)
 
 
+@needs_v5
+def test_every_layer_counts_the_tokens_the_cache_holds_after_a_rollback():
+    """transformers 5.25 counts a linear layer's tokens (``cumulative_length_linear``) and answers
+    ``Cache.get_seq_length()`` with layer 0's count, a linear layer here: generate's ``_prefill`` slices a
+    continued prompt by it and the model's default positions start there. After a verify and a rollback the
+    cache as a user gets it (a plain ``DynamicCache`` on the same layers) says 13, and so does every layer
+    that counts (issue 48: the count drifted by the rejected drafts and again by the replay, 18)."""
+    target = target_for("qwen3_5")
+    prompts = torch.randint(0, 90, (3, 7), generator=torch.Generator().manual_seed(1))
+    block = torch.randint(0, 90, (3, 6), generator=torch.Generator().manual_seed(2))
+    cache = _verify_then_restore(target, prompts, block, torch.tensor([1, 4, 5]))
+    plain = transformers.DynamicCache(config=target.config)
+    plain.layers = cache.layers
+    assert cache.get_seq_length() == int(plain.get_seq_length()) == 7 + 5
+    counts = [int(layer.cumulative_length_linear) for layer in cache.layers if hasattr(layer, "cumulative_length_linear")]
+    assert counts == [7 + 5] * len(counts)
+    assert isinstance(cache.get_seq_length(), int)  # a 0-dim counter would move with the next forward
+
+
 def _skip_last_layer(real):
     def restore(cache, i, committed):
         if i != max(cache._mixers):
