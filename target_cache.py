@@ -13,7 +13,16 @@ replays its own committed prefix through the linear-attention mixers only (no ML
 LM head). Rows are replayed in groups of equal committed length, never padded, because a padded
 position would still decay the gated-delta state and shift the convolution window. The serving
 engines instead keep one state per block position during verify; that needs a kernel that emits
-per-position states, which transformers' layers do not expose.
+per-position states, which transformers' layers did not expose before 5.25.
+
+Replay, not transformers 5.25's recurrent-state history (``activate_past_recording(recurrent_states_to_keep=b)``
+then ``crop``), measured (``bench/hybrid_rollback.py``, random fp32 Qwen3.5 of 31 M parameters, 6 of 8 layers
+linear, block 16, committed 1..16 cycled, one CPU thread, transformers 5.25.0, load average 4.3 on 2 cores):
+replay 79.2 ms per step (verify 54.6 + rollback 24.6), history 79.9 ms (verify 79.5: the block's tokens run one
+by one through the recurrent rule instead of the chunked kernel, + rollback 0.3), states equal to 1.6e-8. Equal
+cost, so the replay stays: it serves 5.24 and 5.25 with one code path, keeps a count per row where the history's
+``crop`` keeps one per cache (ragged batches commit different counts), costs nothing when a row accepts its whole
+block, and reads no private model internals beyond the layer states below.
 
 Everything here uses transformers' public cache (``DynamicCache(config=...)``); the few reads and
 writes of a linear-attention cache layer's state dictionaries are isolated in ``_states`` /
