@@ -31,9 +31,11 @@ from transformers.utils import logging
 try:
     from .decode_step import _Context, crop_cache
     from .target_cache import linear_layer_ids, new_target_cache
+    from .tested_versions import warn_if_untested
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from decode_step import _Context, crop_cache
     from target_cache import linear_layer_ids, new_target_cache
+    from tested_versions import warn_if_untested
 
 logger = logging.get_logger(__name__)
 
@@ -166,6 +168,8 @@ class Resume:
 
     def __init__(self, target, draft, passed, bsz: int, rope_switch=None):
         self.owner = id(draft)
+        if passed is not None:
+            warn_if_untested("cache reuse")
         self.cached = 0 if passed is None else cache_length(passed)
         self.target_cache = new_target_cache(target)
         for layer in getattr(passed, "layers", []):  # 5.x sliding layers keep what a crop past the window needs

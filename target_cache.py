@@ -38,6 +38,11 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+try:
+    from .tested_versions import warn_if_untested
+except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from tested_versions import warn_if_untested
+
 LINEAR = "linear_attention"
 _ATTENTION = ("full_attention", "sliding_attention")
 # model_type of the text config -> the families whose rollback is implemented and tested.
@@ -147,6 +152,7 @@ class HybridCache(DynamicCache):
     """
 
     def __init__(self, target):
+        warn_if_untested("hybrid cache")
         super().__init__(config=target.config)
         self._mixers = _mixers(target)
         self._snapshots, self._inputs, self._recording = {}, {}, False
