@@ -76,3 +76,30 @@ def test_each_path_names_itself(path, words, monkeypatch, caplog):
         tested_versions.warn_if_untested(path)
     (message,) = _warnings(caplog)
     assert words in message.split(" reads ")[0]
+
+
+def test_the_private_transformers_names_the_package_reads_are_there():
+    """Every private name the package reads (issue 48 checked them against 5.25): a canary for the next version.
+    Not read by the package, so not checked: ``_update_past_and_masks``, ``_is_stateful`` (removed in 5.25), the
+    tensor-parallel styles (the package only passes ``tp_plan="auto"``)."""
+    import inspect
+
+    from transformers import DynamicCache, cache_utils
+    from transformers.generation.utils import GenerationMixin
+
+    import native_routes
+
+    assert all(hasattr(cache_utils.DynamicLayer, name) for name in ("crop", "batch_select_indices", "get_seq_length"))
+    if tested_versions._minor(transformers.__version__) < (5, 0):
+        return
+    assert "config" in inspect.signature(DynamicCache.__init__).parameters  # HybridCache(config=...)
+    assert hasattr(cache_utils.DynamicSlidingWindowLayer, "activate_past_recording")  # cache_reuse
+    layer = cache_utils.LinearAttentionLayer()  # target_cache._states / _set_states / _is_linear
+    assert isinstance(layer.conv_states, dict) and isinstance(layer.recurrent_states, dict) and not hasattr(layer, "keys")
+    # native_routes: the frame that builds the generator, the first attribute its __init__ reads, the embedding it keeps
+    assert native_routes.native_dflash_available() and hasattr(GenerationMixin, "_get_candidate_generator")
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+
+    init = inspect.getsource(DFlashTokenCandidateGenerator.__init__)
+    body = init[init.index("):"):]  # after the signature
+    assert body.index("assistant_model.device") < body.index("self.main_model_input_embeddings = ")
