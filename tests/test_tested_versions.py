@@ -57,7 +57,8 @@ def test_a_newer_transformers_warns_once_naming_the_versions_and_the_path(monkey
     with caplog.at_level(logging.WARNING):
         draft.spec_generate(target, ids, max_new_tokens=4, temperature=0.0)
     assert _warnings(caplog) == []  # the running version is a tested one (CI lanes)
-    monkeypatch.setattr(transformers, "__version__", "5.26.0")
+    monkeypatch.setattr(tested_versions.transformers, "__version__", "5.26.0")  # the module it reads (other tests
+    # may have imported transformers afresh since this file was)
     with caplog.at_level(logging.WARNING):
         draft.spec_generate(target, ids, max_new_tokens=4, temperature=0.0)
         draft.spec_generate(target, ids, max_new_tokens=4, temperature=0.0)
@@ -71,7 +72,7 @@ def test_a_newer_transformers_warns_once_naming_the_versions_and_the_path(monkey
                                          ("native route", "speculation_type")])
 def test_each_path_names_itself(path, words, monkeypatch, caplog):
     monkeypatch.setattr(tested_versions, "_WARNED", [False])
-    monkeypatch.setattr(transformers, "__version__", "6.1.0")
+    monkeypatch.setattr(tested_versions.transformers, "__version__", "6.1.0")
     with caplog.at_level(logging.WARNING):
         tested_versions.warn_if_untested(path)
     (message,) = _warnings(caplog)
