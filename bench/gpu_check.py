@@ -7,7 +7,9 @@ Prints one JSON line after every measurement (so a run cut short still leaves fi
   dry run), greedy ``spec_generate`` against ``target.generate(do_sample=False)``: first the dynamic
   path and the uncompiled static path, and, at the end of the run (compiling takes the longest),
   the compiled static path; at the first divergence, the target's top-1 minus top-2 logit there (a
-  near-tie is a rounding divergence, not a wrong token).
+  near-tie is a rounding divergence, not a wrong token). Every line says ``kernels``: ``off`` (the package's
+  loads: ``use_kernels=False`` on transformers >= 5.25) or ``on`` (one more bf16 pass with the target loaded
+  with Hub kernels, transformers 5.25's default; a load that fails, e.g. offline, is one refused line).
 * ``compile``: the static path's first call (compiling) and second call, and their difference.
 * ``speed`` (b): Qwen3-8B shape with random weights built directly on the GPU in bf16; for the
   default (dynamic) path at block 8 and 16, draft trees (tree@15, tree@64) and the static compiled
