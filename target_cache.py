@@ -17,12 +17,17 @@ per-position states, which transformers' layers did not expose before 5.25.
 
 Replay, not transformers 5.25's recurrent-state history (``activate_past_recording(recurrent_states_to_keep=b)``
 then ``crop``), measured (``bench/hybrid_rollback.py``, random fp32 Qwen3.5 of 31 M parameters, 6 of 8 layers
-linear, block 16, committed 1..16 cycled, one CPU thread, transformers 5.25.0, load average 4.3 on 2 cores):
-replay 79.2 ms per step (verify 54.6 + rollback 24.6), history 79.9 ms (verify 79.5: the block's tokens run one
-by one through the recurrent rule instead of the chunked kernel, + rollback 0.3), states equal to 1.6e-8. Equal
-cost, so the replay stays: it serves 5.24 and 5.25 with one code path, keeps a count per row where the history's
-``crop`` keeps one per cache (ragged batches commit different counts), costs nothing when a row accepts its whole
-block, and reads no private model internals beyond the layer states below.
+linear, committed 1..b cycled, 16 steps, one CPU thread, PyTorch fallback kernels, transformers 5.25.0, load
+average 3.8-4.3 on 2 shared cores), per target step at batch 1: block 16, replay 79.2 ms (verify 54.6 + rollback
+24.6) against history 79.9 ms (verify 79.5: the block's tokens run one by one through the recurrent rule instead
+of the chunked kernel, + rollback 0.3), and 0.88x in a second run; block 8, history 0.62x the replay; block 4,
+0.98x; states equal to 1.7e-8. The history is as fast or faster at batch 1 on this CPU, and the replay stays:
+it is the one path for 5.24 and 5.25 (both tested and admitted), it keeps a committed count per row where the
+history's ``crop`` keeps one per cache (a ragged batch would need per-row picks from ``recurrent_states_history``
+and the recorded conv window, private attributes new in 5.25, the kind of internals whose change broke this
+module: issue 48), it costs nothing when a row accepts its whole block, and on a GPU the history's b one-token
+recurrent steps per layer against one chunked call are unmeasured. A batch-1 history path on >= 5.25 is the
+follow-up where a GPU measurement shows it pays.
 
 Everything here uses transformers' public cache (``DynamicCache(config=...)``); the few reads and
 writes of a linear-attention cache layer's state dictionaries are isolated in ``_states`` /
