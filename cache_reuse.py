@@ -31,9 +31,11 @@ from transformers.utils import logging
 try:
     from .decode_step import _Context, crop_cache
     from .target_cache import linear_layer_ids, new_target_cache
+    from .tested_versions import warn_if_untested
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from decode_step import _Context, crop_cache
     from target_cache import linear_layer_ids, new_target_cache
+    from tested_versions import warn_if_untested
 
 logger = logging.get_logger(__name__)
 
@@ -60,6 +62,14 @@ class DraftContext:
     origin: int
     length: int
     owner: int
+
+
+def cache_length(cache) -> int:
+    """Tokens in ``cache``, a Python int: on transformers 5.25 a hybrid target's ``DynamicCache`` answers
+    ``get_seq_length()`` with its first layer's live token counter (``cumulative_length_linear``, a 0-dim
+    tensor the next forward moves in place), so a length kept across forwards (``Resume.cached``, the
+    ``DraftContext.length`` of a returned cache) must be a copy. One host read per call."""
+    return int(cache.get_seq_length())
 
 
 def pop_passed_cache(kwargs: dict):
@@ -107,7 +117,7 @@ def check_passed_cache(cache, input_ids: torch.Tensor, mask: torch.Tensor, targe
                          "loop's cache holds rejected slots and padding of other rows in a batch")
     if not bool(mask.all()):
         raise ValueError("a passed cache needs an unpadded prompt (attention_mask all ones)")
-    cached = cache.get_seq_length()
+    cached = cache_length(cache)
     if cached >= length:
         raise ValueError(f"the cache holds {cached} tokens but input_ids only {length}: pass the whole conversation "
                          "(the cached tokens first, then at least one new token), as to generate")
@@ -158,7 +168,9 @@ class Resume:
 
     def __init__(self, target, draft, passed, bsz: int, rope_switch=None):
         self.owner = id(draft)
-        self.cached = 0 if passed is None else passed.get_seq_length()
+        if passed is not None:
+            warn_if_untested("cache reuse")
+        self.cached = 0 if passed is None else cache_length(passed)
         self.target_cache = new_target_cache(target)
         for layer in getattr(passed, "layers", []):  # 5.x sliding layers keep what a crop past the window needs
             if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
@@ -222,7 +234,7 @@ class Resume:
         caller makes its tensors ordinary (``leave_inference_mode``) where the cache reaches the user."""
         if self.returned is None:
             return
-        length = self.target_cache.get_seq_length()
+        length = cache_length(self.target_cache)
         pending = rows.context()
         covered = self.origin + draft_cache.get_seq_length() + (0 if pending is None else pending.features.shape[1])
         assert covered == length, f"draft context covers {covered} positions, the target cache {length}"

@@ -70,7 +70,7 @@ def refusal(command: str, argv: list):
 
 def generate_parser() -> argparse.ArgumentParser:
     """The ``dflash-hf generate`` argument parser (the authors' flag names)."""
-    from convert.cli import add_debug_flag
+    from convert.cli import add_debug_flag, add_kernels_flag
 
     ap = argparse.ArgumentParser(prog="dflash-hf generate", description="Generate a reply to PROMPT with speculative "
                                  "decoding; the text goes to stdout, tau and the token count to stderr.")
@@ -92,7 +92,7 @@ def generate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                     help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
-    return add_debug_flag(ap)
+    return add_kernels_flag(add_debug_flag(ap))
 
 
 def prompt_text(tokenizer, prompt: str, chat_template: bool, enable_thinking: bool):
@@ -134,7 +134,8 @@ def run_generate(args) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     quiet_loading()
-    draft, target, tok = load_pair(args.model, args.draft, device, dtype, target_flag="--model")
+    draft, target, tok = load_pair(args.model, args.draft, device, dtype, target_flag="--model",
+                                   use_kernels=args.use_kernels)
     text, how = prompt_text(tok, args.prompt, not args.no_chat_template, args.enable_thinking)
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     out = draft.spec_generate(target, ids, max_new_tokens=args.max_new_tokens, block_size=args.block_size,

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from convert.cli import CommandError, add_debug_flag, quiet_loading, run_command
+from convert.cli import CommandError, add_debug_flag, add_kernels_flag, quiet_loading, run_command
 from convert.loading import load_pair, parse_device
 
 ROOT = Path(__file__).resolve().parent
@@ -63,7 +63,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights and compute dtype (default float32: on CPU, bfloat16 is slower for models this small)")
     ap.add_argument("--quiet", action="store_true", help="do not print the generated code")
-    add_debug_flag(ap)
+    add_kernels_flag(add_debug_flag(ap))
     args = ap.parse_args(argv)
     given = argv if argv is not None else sys.argv[1:]
     if args.quick:
@@ -166,7 +166,8 @@ def run(args) -> int:
     if args.quick:
         print(QUICK_NOTE)
     t_load = time.perf_counter()
-    draft, target, tok = load_pair(args.target, args.draft, device, getattr(torch, args.dtype))
+    draft, target, tok = load_pair(args.target, args.draft, device, getattr(torch, args.dtype),
+                                   use_kernels=args.use_kernels)
     block = args.block_size or draft.config.block_size
     n_params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     print(f"target {display_path(args.target)}: {n_params(target) / 1e6:.2f} M params | drafter {display_path(args.draft)}: "

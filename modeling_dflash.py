@@ -1,11 +1,10 @@
 """DFlash draft model: a block-diffusion drafter for lossless speculative decoding (arXiv 2602.06036).
 
-The draft is a small Qwen3-style decoder with no embedding and no LM head of its own (it borrows the target's,
-frozen). Each call drafts a whole block ``[anchor, MASK, ..., MASK]`` in one forward pass. Target hidden states
-captured at ``config.target_layer_ids`` are fused by ``fc`` + ``hidden_norm`` and injected as extra keys/values
-into every draft layer ("KV injection"); queries come only from the block (arXiv 2602.06036, method section).
-State-dict names equal the published z-lab / SpecForge checkpoints, so they load strictly with no renaming.
-"""
+A small Qwen3-style decoder with no embedding or LM head of its own (it borrows the target's, frozen) drafts a
+whole block ``[anchor, MASK, ..., MASK]`` in one forward pass; target hidden states captured at
+``config.target_layer_ids`` are fused by ``fc`` + ``hidden_norm`` and injected as extra keys/values into every
+draft layer ("KV injection"), queries come only from the block (method section). State-dict names equal the
+published z-lab / SpecForge checkpoints, so they load strictly with no renaming."""
 
 import functools
 import logging
@@ -54,6 +53,7 @@ try:
     from .target_facts import TargetFacts  # noqa: F401
     from .target_families import draft_block_embedding, draft_logits
     from .target_taps import capture_target_features  # noqa: F401
+    from .tested_versions import TESTED_TRANSFORMERS  # noqa: F401
     from .user_processors import check_copyable  # noqa: F401
     from .verify_cost import StepCost  # noqa: F401  (4.57 copies only direct imports)
     from .verify_policy import VerifyPolicy  # noqa: F401
@@ -79,6 +79,7 @@ except ImportError:  # imported from the repository root instead of as a Hub rem
     from target_facts import TargetFacts  # noqa: F401
     from target_families import draft_block_embedding, draft_logits
     from target_taps import capture_target_features  # noqa: F401
+    from tested_versions import TESTED_TRANSFORMERS  # noqa: F401
     from user_processors import check_copyable  # noqa: F401
     from verify_cost import StepCost  # noqa: F401
     from verify_policy import VerifyPolicy  # noqa: F401

@@ -12,10 +12,12 @@ try:
     from .custom_generate_template import generate as _custom_generate_entry
     from .generation_arguments import check_is_drafter, check_pairing, check_vocab
     from .generation_output import DFlashGenerateOutput
+    from .tested_versions import warn_if_untested
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from custom_generate_template import generate as _custom_generate_entry
     from generation_arguments import check_is_drafter, check_pairing, check_vocab
     from generation_output import DFlashGenerateOutput
+    from tested_versions import warn_if_untested
 
 
 def native_dflash_available() -> bool:
@@ -57,6 +59,7 @@ def check_native_pairing(draft, frame) -> None:
     if type(frame.f_locals.get("self")).__name__ != "DFlashTokenCandidateGenerator" or frame.f_back is None:
         return
     target = frame.f_back.f_locals.get("self")
+    warn_if_untested("native route")
     _refuse_dspark(draft.config)
     if target is not None and hasattr(target, "get_input_embeddings") and target is not draft:
         check_pairing(draft, target)

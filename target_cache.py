@@ -13,7 +13,21 @@ replays its own committed prefix through the linear-attention mixers only (no ML
 LM head). Rows are replayed in groups of equal committed length, never padded, because a padded
 position would still decay the gated-delta state and shift the convolution window. The serving
 engines instead keep one state per block position during verify; that needs a kernel that emits
-per-position states, which transformers' layers do not expose.
+per-position states, which transformers' layers did not expose before 5.25.
+
+Replay, not transformers 5.25's recurrent-state history (``activate_past_recording(recurrent_states_to_keep=b)``
+then ``crop``), measured (``bench/hybrid_rollback.py``, random fp32 Qwen3.5 of 31 M parameters, 6 of 8 layers
+linear, committed 1..b cycled, 16 steps, one CPU thread, PyTorch fallback kernels, transformers 5.25.0, load
+average 3.8-4.3 on 2 shared cores), per target step at batch 1: block 16, replay 79.2 ms (verify 54.6 + rollback
+24.6) against history 79.9 ms (verify 79.5: the block's tokens run one by one through the recurrent rule instead
+of the chunked kernel, + rollback 0.3), and 0.88x in a second run; block 8, history 0.62x the replay; block 4,
+0.98x; states equal to 1.7e-8. The history is as fast or faster at batch 1 on this CPU, and the replay stays:
+it is the one path for 5.24 and 5.25 (both tested and admitted), it keeps a committed count per row where the
+history's ``crop`` keeps one per cache (a ragged batch would need per-row picks from ``recurrent_states_history``
+and the recorded conv window, private attributes new in 5.25, the kind of internals whose change broke this
+module: issue 48), it costs nothing when a row accepts its whole block, and on a GPU the history's b one-token
+recurrent steps per layer against one chunked call are unmeasured. A batch-1 history path on >= 5.25 is the
+follow-up where a GPU measurement shows it pays.
 
 Everything here uses transformers' public cache (``DynamicCache(config=...)``); the few reads and
 writes of a linear-attention cache layer's state dictionaries are isolated in ``_states`` /
@@ -28,6 +42,11 @@ import weakref
 import torch
 import transformers
 from transformers import DynamicCache
+
+try:
+    from .tested_versions import warn_if_untested
+except ImportError:  # imported from the repository root instead of as a Hub remote-code package
+    from tested_versions import warn_if_untested
 
 LINEAR = "linear_attention"
 _ATTENTION = ("full_attention", "sliding_attention")
@@ -69,6 +88,18 @@ def _states(layer):
 
 def _set_states(layer, conv, recurrent):
     layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
+
+
+def _token_count(layer):
+    """A linear cache layer's token counter, or None where there is none (transformers < 5.25).
+
+    transformers 5.25 counts the tokens a linear-attention layer has absorbed in ``cumulative_length_linear``
+    (a 0-dim LongTensor, moved in place by ``update_conv_state`` and by its own ``crop``), and reads it as the
+    cache's length: ``Cache.get_seq_length()`` asks layer 0, a linear layer in every published hybrid stack,
+    and ``generate``'s ``_prefill``, the model's default positions and Qwen3.5's mRoPE offsets take that
+    length. ``HybridCache`` moves it as the attention layers move (``crop``) and leaves it where it was
+    across a replay (``_restore_layer``)."""
+    return getattr(layer, "cumulative_length_linear", None)
 
 
 def check_target_cache(target):
@@ -126,6 +157,7 @@ class HybridCache(DynamicCache):
     """
 
     def __init__(self, target):
+        warn_if_untested("hybrid cache")
         super().__init__(config=target.config)
         self._mixers = _mixers(target)
         self._snapshots, self._inputs, self._recording = {}, {}, False
@@ -133,9 +165,24 @@ class HybridCache(DynamicCache):
         self._cache_kw = "cache" if "cache" in params else "cache_params"
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Cut ``-tokens_to_remove`` tokens off the attention layers (negative counts, as 5.x's ``crop``).
+
+        The linear layers' states are left for ``restore_linear_states``; only their token counter
+        (``_token_count``, transformers >= 5.25) follows the attention layers, so that the cache's length stays
+        the same whichever layer is asked (it drifted by every rejected draft: issue 48)."""
         for layer in self.layers:
             if not _is_linear(layer):
                 layer.crop(tokens_to_remove)
+            elif _token_count(layer) is not None:
+                _token_count(layer).sub_(abs(tokens_to_remove))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held by layer ``layer_idx``, a Python int; a linear layer answers with the first attention
+        layer's length (as transformers 5.24's ``Cache`` does; 5.25's returns the linear layer's own counter,
+        a 0-dim tensor that later forwards move in place, so a length kept from it changes under the holder)."""
+        if layer_idx < len(self.layers) and _is_linear(self.layers[layer_idx]):
+            layer_idx = next((i for i, layer in enumerate(self.layers) if not _is_linear(layer)), layer_idx)
+        return int(super().get_seq_length(layer_idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for layer in self.layers:
@@ -234,12 +281,16 @@ def _restore_layer(cache: "HybridCache", i: int, committed: torch.Tensor) -> Non
     snap_conv, snap_recurrent = cache._snapshots[i]
     assert snap_conv.shape == conv_now.shape and snap_recurrent.shape == recurrent_now.shape, f"layer {i}"
     assert inputs.shape[0] == committed.shape[0], (i, tuple(inputs.shape), tuple(committed.shape))
+    count = _token_count(layer)
+    counted = None if count is None else count.clone()  # the replay re-counts tokens the cache already holds
     for rows, length in _replay_groups(committed, inputs.shape[1]):
         _set_states(layer, snap_conv[rows].clone(), snap_recurrent[rows].clone())
         mixer(hidden_states=inputs[rows, :length], **{cache._cache_kw: cache})  # updates the states in place
         conv_rows, recurrent_rows = _states(layer)
         conv_now[rows], recurrent_now[rows] = conv_rows.to(conv_now.dtype), recurrent_rows.to(recurrent_now.dtype)
     _set_states(layer, conv_now, recurrent_now)
+    if counted is not None:
+        count.copy_(counted)
 
 
 def recording(cache):

@@ -20,8 +20,10 @@ import transformers
 
 try:
     from .target_families import FAMILY as _families
+    from .tested_versions import warn_if_untested
 except ImportError:  # imported from the repository root instead of as a Hub remote-code package
     from target_families import FAMILY as _families
+    from tested_versions import warn_if_untested
 
 
 def _decoder_parts(target):
@@ -183,6 +185,7 @@ def capture_target_features(target, layer_ids, device=None):
         ValueError: a layer id outside ``[0, num_layers)``; a tap that is not ``(batch, seq, hidden)``
             with the batch and length of the forward's ``input_ids`` (raised by ``get()``).
     """
+    warn_if_untested("taps")
     layers, _ = _decoder_parts(target)
     bad = [k for k in layer_ids if not 0 <= k < len(layers)]
     if bad:

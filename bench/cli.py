@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from convert.cli import CommandError, add_debug_flag, quiet_loading, run_command
-from convert.loading import load_pair, parse_device
+from convert.cli import CommandError, add_debug_flag, add_kernels_flag, quiet_loading, run_command
+from convert.loading import load_pair, model_load_kwargs, parse_device
 from convert.paths import locate_model
 
 from . import contenders as C
@@ -91,7 +91,7 @@ def parse_args(argv=None, prog: str = "python -m bench"):
                     help="also write the dflash-acceptance/v1 record of package@<the drafter's block size> here")
     ap.add_argument("--dataset-name", metavar="NAME",
                     help="dataset name in that record (default: --dataset, else the --prompts file's name)")
-    add_debug_flag(ap)
+    add_kernels_flag(add_debug_flag(ap))
     args = ap.parse_args(argv)
     unknown = [w for w in _names(args.contenders) if w not in CONTENDERS]
     if unknown:
@@ -145,7 +145,7 @@ def _names(text: str) -> list[str]:
 
 def load_models(args, device, dtype):
     """``(tokenizer, target, draft)``, checked to fit each other (see ``convert/loading.py``)."""
-    draft, target, tok = load_pair(args.target, args.draft, device, dtype)
+    draft, target, tok = load_pair(args.target, args.draft, device, dtype, use_kernels=args.use_kernels)
     return tok, target, draft
 
 
@@ -176,7 +176,8 @@ def build_contenders(args, target, draft, device, dtype) -> list:
     if "baseline" in want and args.baseline:
         from transformers import AutoModel
 
-        old = AutoModel.from_pretrained(args.baseline, trust_remote_code=True, dtype=dtype).to(device).eval()
+        old = AutoModel.from_pretrained(args.baseline, trust_remote_code=True, dtype=dtype,
+                                        **model_load_kwargs(args.use_kernels)).to(device).eval()
         out += [C.Contender(f"baseline@{b}", C.package(old, target, b), b) for b in blocks]
     if "prompt_lookup" in want:
         out.append(C.Contender("prompt_lookup", C.target_generate(target, prompt_lookup_num_tokens=args.prompt_lookup_tokens)))

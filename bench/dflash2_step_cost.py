@@ -97,7 +97,10 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pair = os.path.join(REPO, "pair")
-    target = AutoModelForCausalLM.from_pretrained(os.path.join(pair, "target"), dtype=torch.float32).eval()
+    from convert.loading import model_load_kwargs
+
+    target = AutoModelForCausalLM.from_pretrained(os.path.join(pair, "target"), dtype=torch.float32,
+                                                  **model_load_kwargs()).eval()
     tok = AutoTokenizer.from_pretrained(os.path.join(pair, "target"))
     one = DFlashDraftModel.from_pretrained(os.path.join(pair, "drafter"), dtype=torch.float32).eval()
     two = dflash2_from(one)

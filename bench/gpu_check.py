@@ -7,7 +7,9 @@ Prints one JSON line after every measurement (so a run cut short still leaves fi
   dry run), greedy ``spec_generate`` against ``target.generate(do_sample=False)``: first the dynamic
   path and the uncompiled static path, and, at the end of the run (compiling takes the longest),
   the compiled static path; at the first divergence, the target's top-1 minus top-2 logit there (a
-  near-tie is a rounding divergence, not a wrong token).
+  near-tie is a rounding divergence, not a wrong token). Every line says ``kernels``: ``off`` (the package's
+  loads: ``use_kernels=False`` on transformers >= 5.25) or ``on`` (one more bf16 pass with the target loaded
+  with Hub kernels, transformers 5.25's default; a load that fails, e.g. offline, is one refused line).
 * ``compile``: the static path's first call (compiling) and second call, and their difference.
 * ``speed`` (b): Qwen3-8B shape with random weights built directly on the GPU in bf16; for the
   default (dynamic) path at block 8 and 16, draft trees (tree@15, tree@64) and the static compiled
@@ -50,6 +52,7 @@ import generation_utils  # noqa: E402
 import proposers  # noqa: E402
 import static_generate  # noqa: E402
 from configuration_dflash import DFlashConfig  # noqa: E402
+from convert.loading import model_load_kwargs  # noqa: E402
 from modeling_dflash import DFlashDraftModel  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -159,15 +162,24 @@ def first_divergence_margin(target, ref, out, prompt_len):
     return i - prompt_len, float(top[0] - top[1])
 
 
-def check_exactness(device, dtypes, static_config, new_tokens, n_prompts):
+def check_exactness(device, dtypes, static_config, new_tokens, n_prompts, kernels=False):
     """Greedy equality against ``target.generate`` on the shipped pair: the dynamic path, and the
-    static path with ``static_config`` (None: uncompiled)."""
+    static path with ``static_config`` (None: uncompiled). ``kernels``: the target loaded with Hub kernels
+    (transformers >= 5.25's default; ``use_kernels=True``), rows marked ``kernels=on``; a load that fails
+    (no network, no ``kernels`` package) is one refused row."""
     tok = AutoTokenizer.from_pretrained(ROOT / "pair" / "target")
     prompts = [p["prompt"] for p in json.loads((ROOT / "pair" / "heldout_prompts.json").read_text())][:n_prompts]
     for dtype in dtypes:
-        target = AutoModelForCausalLM.from_pretrained(ROOT / "pair" / "target", dtype=dtype,
-                                                      attn_implementation="sdpa").to(device).eval()
-        draft = DFlashDraftModel.from_pretrained(ROOT / "pair" / "drafter", dtype=dtype).to(device).eval()
+        try:
+            target = AutoModelForCausalLM.from_pretrained(ROOT / "pair" / "target", dtype=dtype,
+                                                          attn_implementation="sdpa", **model_load_kwargs(kernels))
+            target = target.to(device).eval()
+        except Exception as err:  # noqa: BLE001 (any load failure is reported, the script goes on)
+            emit(check="exactness", kernels="on" if kernels else "off", dtype=str(dtype).split(".")[-1],
+                 refused={"equal": f"{type(err).__name__}: {str(err)[:200]}"})
+            continue
+        draft = DFlashDraftModel.from_pretrained(ROOT / "pair" / "drafter", dtype=dtype,
+                                                 **model_load_kwargs()).to(device).eval()
         paths = {static_name(static_config): dict(cache_implementation="static", compile_config=static_config)}
         if static_config is None:
             paths = {"dynamic": {"adaptive_block_size": False}, **paths}  # fixed blocks; the policy's rows below
@@ -182,7 +194,8 @@ def check_exactness(device, dtypes, static_config, new_tokens, n_prompts):
                                           return_dict_in_generate=True, **kwargs)
                 at, margin = first_divergence_margin(target, ref, out.sequences, ids.shape[1])
                 tie = 8 * torch.finfo(dtype).eps * 30  # a few units of rounding at logit magnitude ~30
-                emit(check="exactness", dtype=str(dtype).split(".")[-1], path=name, prompt=k, equal=at is None,
+                emit(check="exactness", kernels="on" if kernels else "off", dtype=str(dtype).split(".")[-1], path=name,
+                     prompt=k, equal=at is None,
                      first_divergence=at, logit_margin=margin, ok=at is None or (margin is not None and margin <= tie),
                      tau=round(sum(out.acceptance_lengths) / max(len(out.acceptance_lengths), 1), 3))
         del target, draft
@@ -205,7 +218,7 @@ def check_big_targets(device, new_tokens, n_prompts):
                             device_map={"": device.index or 0})
     for case, kwargs in cases.items():
         try:
-            target = AutoModelForCausalLM.from_pretrained(ROOT / "pair" / "target", **kwargs).eval()
+            target = AutoModelForCausalLM.from_pretrained(ROOT / "pair" / "target", **kwargs, **model_load_kwargs()).eval()
             draft = DFlashDraftModel.from_pretrained(ROOT / "pair" / "drafter", dtype=torch.bfloat16)
             draft = draft.to(target.get_output_embeddings().weight.device).eval()
             for k, text in enumerate(prompts):
@@ -433,6 +446,7 @@ def main(argv=None):
     if cuda:  # cheapest first, so that a run cut short still has the figures that matter most
         compile_config = CompileConfig()  # inductor, mode="reduce-overhead": CUDA graphs
         check_exactness(device, [torch.bfloat16, torch.float16], None, new_tokens=64, n_prompts=4)
+        check_exactness(device, [torch.bfloat16], None, new_tokens=64, n_prompts=4, kernels=True)  # Hub kernels on
         check_speed(device, torch.bfloat16, QWEN3_8B, DRAFT_8B, prompt_len=256, new_tokens=128,
                     compile_config=compile_config, sync_tokens=17, repeats=args.repeats)
         torch.cuda.empty_cache()

@@ -12,6 +12,13 @@ through 1 .. block (the attention crop, and for the hybrid the per-row replay of
 hybrid's verify forward itself is slower than the dense one on CPU because transformers falls back
 to its PyTorch gated-delta kernels without flash-linear-attention; the rollback overhead is reported
 relative to the hybrid's own verify forward as well.
+
+On transformers >= 5.25 a third row times that library's own rollback on the same hybrid target, at batch 1
+(its one count per cache cannot serve rows that keep different counts): ``activate_past_recording(
+recurrent_states_to_keep=block)`` makes the verify forward keep the recurrent state after each of the
+block's tokens (the chunked kernel runs on none of them: the block goes token by token) and the conv inputs,
+and ``crop`` picks the state of the committed length. Its states after the last step are checked against the
+replay's (``max |diff|`` printed). This is the measurement behind ``target_cache``'s choice of replay.
 """
 
 import argparse
@@ -24,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import transformers  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from decode_step import _cache_kwarg, crop_cache  # noqa: E402
 from target_cache import new_target_cache, recording, restore_linear_states  # noqa: E402
@@ -45,8 +53,8 @@ def _sync(device):
 
 
 @torch.no_grad()
-def measure(target, device, steps, block, prompt_len=256):
-    """Mean seconds per step: (verify forward, rollback)."""
+def measure(target, device, steps, block, prompt_len=256, keep=None):
+    """Mean seconds per step: (verify forward, rollback); ``keep`` (a list) receives the cache."""
     kw = _cache_kwarg(target)
     cache = new_target_cache(target)
     g = torch.Generator().manual_seed(0)
@@ -67,7 +75,43 @@ def measure(target, device, steps, block, prompt_len=256):
         t2 = _sync(device)
         if step >= 2:
             verify, rollback = verify + t1 - t0, rollback + t2 - t1
+    if keep is not None:
+        keep.append(cache)
     return verify / steps, rollback / steps
+
+
+@torch.no_grad()
+def measure_history(target, device, steps, block, prompt_len=256):
+    """``measure`` with transformers' own rollback (>= 5.25, batch 1): ``(verify, rollback, cache)``."""
+    kw = _cache_kwarg(target)
+    cache = DynamicCache(config=target.config)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, SIZE["vocab_size"], (1, prompt_len), generator=g).to(device)
+    target(input_ids=ids, use_cache=True, **{kw: cache})
+    cache.activate_past_recording(recurrent_states_to_keep=block)
+    verify = rollback = 0.0
+    for step in range(steps + 2):
+        start = int(cache.get_seq_length(1))  # layer 1 is full attention in LINEAR's stack
+        tokens = torch.randint(0, SIZE["vocab_size"], (1, block), generator=g).to(device)
+        positions = torch.arange(start, start + block, device=device)[None]
+        t0 = _sync(device)
+        target(input_ids=tokens, position_ids=positions, use_cache=True, **{kw: cache})
+        t1 = _sync(device)
+        cache.crop(-(block - (1 + step % block)))
+        t2 = _sync(device)
+        if step >= 2:
+            verify, rollback = verify + t1 - t0, rollback + t2 - t1
+    return verify / steps, rollback / steps, cache
+
+
+def _history_row(hybrid, device, args, replay_cache):
+    """Print transformers' own rollback against the replay (same seed, same tokens, same committed counts)."""
+    hv, hr, cache = measure_history(hybrid, device, args.steps, args.block)
+    diff = max((a - b).abs().max().item() for i, layer in enumerate(cache.layers) if hasattr(layer, "recurrent_states")
+               for a, b in [(layer.recurrent_states[0], replay_cache.layers[i].recurrent_states[0])])
+    print(f"{'hybrid, history':15s} {'':15s}verify {hv * 1e3:8.2f} ms  rollback {hr * 1e3:7.2f} ms  "
+          f"step {(hv + hr) * 1e3:8.2f} ms  (transformers' recurrent-state history; states vs replay: max |diff| {diff:.1e})")
+    return hv + hr
 
 
 def main():
@@ -84,16 +128,19 @@ def main():
     hybrid = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**SIZE, **LINEAR)).to(device).eval()
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {device}, {args.threads} thread(s), "
           f"block {args.block}, committed 1..{args.block} cycled, {args.steps} steps")
-    rows = {}
+    rows, caches = {}, []
     for name, model in (("dense Qwen3", dense), ("hybrid Qwen3.5", hybrid)):
         params = sum(p.numel() for p in model.parameters()) / 1e6
-        rows[name] = measure(model, device, args.steps, args.block)
+        rows[name] = measure(model, device, args.steps, args.block, keep=caches)
         v, r = rows[name]
         print(f"{name:15s} {params:6.1f} M params  verify {v * 1e3:8.2f} ms  rollback {r * 1e3:7.2f} ms  "
               f"step {(v + r) * 1e3:8.2f} ms")
     (dv, dr), (hv, hr) = rows["dense Qwen3"], rows["hybrid Qwen3.5"]
     print(f"hybrid / dense per step: {(hv + hr) / (dv + dr):.2f}x (verify {hv / dv:.2f}x); "
           f"hybrid rollback = {hr / hv:.1%} of its own verify forward")
+    if hasattr(caches[1].layers[0], "cumulative_length_linear"):  # transformers >= 5.25
+        history = _history_row(hybrid, device, args, caches[1])
+        print(f"history / replay per step: {history / (hv + hr):.2f}x")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import time
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, CompileConfig
 
+from convert.loading import model_load_kwargs
 from .prompts import HELDOUT, encode, local_prompts
 from .cli import ROOT
 
@@ -54,7 +55,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    target = AutoModelForCausalLM.from_pretrained(ROOT / "pair" / "target", dtype=torch.float32).to(device).eval()
+    target = AutoModelForCausalLM.from_pretrained(ROOT / "pair" / "target", dtype=torch.float32,
+                                                  **model_load_kwargs()).to(device).eval()
     draft = AutoModel.from_pretrained(ROOT / "pair" / "drafter", trust_remote_code=True,
                                       dtype=torch.float32).to(device).eval()
     tok = AutoTokenizer.from_pretrained(ROOT / "pair" / "target")

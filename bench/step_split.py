@@ -179,7 +179,7 @@ def parse_args(argv=None):
 def run(args) -> dict:
     """Load the pair, measure, print the table, write ``--out``; returns the report."""
     from convert.cli import quiet_loading
-    from convert.loading import load_pair
+    from convert.loading import load_pair, model_load_kwargs
 
     torch.set_num_threads(args.threads)
     quiet_loading()
@@ -191,7 +191,7 @@ def run(args) -> dict:
     if args.baseline:
         from transformers import AutoModel
 
-        old = AutoModel.from_pretrained(args.baseline, trust_remote_code=True, dtype=dtype).eval()
+        old = AutoModel.from_pretrained(args.baseline, trust_remote_code=True, dtype=dtype, **model_load_kwargs()).eval()
         loops["baseline"] = (old, lambda ids, n, b: _package_run(old, target, ids, n, b))
     if args.reference_dir:
         fn, ref = C.load_reference(args.reference_dir, args.draft, dtype, device)

@@ -31,6 +31,15 @@ def add_debug_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def add_kernels_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--use-kernels`` (load Hub kernels, ``loading.model_load_kwargs``) to ``parser``."""
+    parser.add_argument("--use-kernels", action="store_true",
+                        help="let transformers load Hub kernels (off by default, also on transformers >= 5.25 where "
+                             "from_pretrained turns them on: the package's loads stay offline; USE_HUB_KERNELS, "
+                             "when set, is left to transformers)")
+    return parser
+
+
 def quiet_loading() -> None:
     """Silence the transformers / huggingface_hub progress bars ("Loading weights", downloads)."""
     from transformers.utils import logging

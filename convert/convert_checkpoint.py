@@ -74,6 +74,7 @@ from . import keymap, sources  # noqa: E402
 from ._project import CUSTOM_GENERATE_FILE, REMOTE_CODE_FILES, DFlash2DraftModel, DFlashConfig, DFlashDraftModel, capture_target_features, spec_generate  # noqa: E402
 from .engines import DFLASH2_ENGINE_NOTE, DSPARK_BASELINE_NOTE, DSPARK_ENGINE_NOTE, engine_commands, is_hub_id  # noqa: E402
 from .errors import ConversionError  # noqa: E402
+from .loading import model_load_kwargs  # noqa: E402
 
 MAX_SHARD_SIZE = "5GB"
 _MAX_SHARD_BYTES = 5 * 10**9
@@ -265,10 +266,11 @@ def _random_draft_inputs(config: DFlashConfig, dtype, seed: int, context_len: in
 def _load_written(folder: str, engine_only: bool):
     """Load the written folder the way users will: AutoModel + remote code, or our class (engine-only)."""
     if engine_only:
-        return DFlashDraftModel.from_pretrained(folder, dtype="auto").eval()  # a DFlash 2 folder gives DFlash2DraftModel
+        # a DFlash 2 folder gives DFlash2DraftModel
+        return DFlashDraftModel.from_pretrained(folder, dtype="auto", **model_load_kwargs()).eval()
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype="auto").eval()
+    model = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype="auto", **model_load_kwargs()).eval()
     want = draft_class(model.config).__name__
     if type(model).__name__ != want or type(model).__module__ == DFlashDraftModel.__module__:
         raise ConversionError(f"AutoModel(trust_remote_code=True) gave {type(model)}, not the folder's own {want}")
@@ -326,7 +328,7 @@ def _check_generation(converted, reference, target, seed: int) -> None:
     if isinstance(target, str):
         from transformers import AutoModelForCausalLM
 
-        target = AutoModelForCausalLM.from_pretrained(target, dtype="auto").eval()
+        target = AutoModelForCausalLM.from_pretrained(target, dtype="auto", **model_load_kwargs()).eval()
     from .loading import check_pair
 
     name = getattr(target, "name_or_path", type(target).__name__)

@@ -13,10 +13,42 @@ import os
 from .errors import CommandError
 from .paths import locate_model
 
-__all__ = ["check_pair", "check_roles", "config_role", "load_pair", "parse_device"]
+__all__ = ["check_pair", "check_roles", "config_role", "load_pair", "model_load_kwargs", "parse_device"]
 
 # The architectures a drafter's config.json names (configuration_dflash's lists, kept here light: no torch).
 _DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel")
+
+
+# transformers 5.25 made from_pretrained load Hub kernels by default (`use_kernels=None` means on unless the
+# environment variable says otherwise): on CUDA it swaps RMSNorm, activations and RoPE for kernels fetched from
+# the Hub (other GPU numerics than 5.24's; a first load may reach the network).
+KERNELS_ENV = "USE_HUB_KERNELS"
+_KERNELS_ON_BY_DEFAULT = (5, 25)
+
+
+def model_load_kwargs(use_kernels: bool = False, environ=None, transformers_version: str = None) -> dict:
+    """The keywords every model load of the package's own command lines and scripts passes to ``from_pretrained``
+    about Hub kernels: the package's loads stay offline and keep one numerics unless the user asks.
+
+    Args:
+        use_kernels: the user asked for Hub kernels (``--use-kernels``): ``{"use_kernels": True}``.
+        environ: the environment (default ``os.environ``); ``USE_HUB_KERNELS`` set there is the user's own
+            choice, which transformers reads: ``{}``.
+        transformers_version: default the running one. From 5.25 (kernels on by default): ``{"use_kernels":
+            False}``; before, ``{}`` (kernels are off there unless asked, and nothing changes in their loads).
+    Returns:
+        ``dict`` of keyword arguments for ``from_pretrained``.
+    """
+    if use_kernels:
+        return {"use_kernels": True}
+    if KERNELS_ENV in (os.environ if environ is None else environ):
+        return {}
+    if transformers_version is None:
+        import transformers
+
+        transformers_version = transformers.__version__
+    major, minor = (int(part) for part in transformers_version.split(".")[:2])
+    return {"use_kernels": False} if (major, minor) >= _KERNELS_ON_BY_DEFAULT else {}
 
 
 def parse_device(name: str, flag: str = "--device"):
@@ -136,13 +168,14 @@ def unlinked_code_file(folder: str):
 
 
 def load_pair(target_path: str, draft_path: str, device, dtype, target_flag: str = "--target",
-              draft_flag: str = "--draft", check: bool = True):
+              draft_flag: str = "--draft", check: bool = True, use_kernels: bool = False):
     """``(draft, target, tokenizer)`` in ``dtype``, eval mode, on ``device``, checked to fit each other.
 
     Args:
         target_path, draft_path: local folders or Hub ids (see ``convert/paths.py``).
         target_flag, draft_flag: the flags to name in errors.
         check: run [`check_pair`] (a one-token probe).
+        use_kernels: load Hub kernels (``--use-kernels``); else off on every version (``model_load_kwargs``).
 
     Raises:
         CommandError: see the module docstring.
@@ -163,10 +196,11 @@ def load_pair(target_path: str, draft_path: str, device, dtype, target_flag: str
                            "links to: this checkout has no symlinks; run `git config core.symlinks true` and "
                            "`git checkout -- pair/drafter` (on Windows, enable Developer Mode first)")
     tok = _load("target", target_flag, target_path, lambda: AutoTokenizer.from_pretrained(target_path))
-    target = _load("target", target_flag, target_path,
-                   lambda: AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval())
+    kernels = model_load_kwargs(use_kernels)
+    target = _load("target", target_flag, target_path, lambda: AutoModelForCausalLM.from_pretrained(
+        target_path, dtype=dtype, **kernels).to(device).eval())
     draft = _load("drafter", draft_flag, draft_path, lambda: AutoModel.from_pretrained(
-        draft_path, trust_remote_code=True, dtype=dtype).to(device).eval())
+        draft_path, trust_remote_code=True, dtype=dtype, **kernels).to(device).eval())
     if not hasattr(draft, "spec_generate"):
         from ._project import NOT_A_DRAFTER
 

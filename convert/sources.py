@@ -38,7 +38,7 @@ REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "remote_co
                      "generation_output.py", "native_routes.py", "custom_generate_template.py", "target_taps.py",
                      "target_cache.py", "target_families.py", "static_generate.py", "dflash2.py", "dspark.py",
                      "cache_reuse.py", "user_processors.py", "proposers.py", "target_facts.py",
-                     "draft_trees.py", "verify_policy.py", "verify_cost.py")
+                     "draft_trees.py", "verify_policy.py", "verify_cost.py", "tested_versions.py")
 # A single-dot relative import, as transformers reads them (`from .x import ...`, `import .x`).
 _RELATIVE_IMPORT = re.compile(r"^\s*(?:from\s+\.(\w+)\s+import|import\s+\.(\w+))", re.MULTILINE)
 SAFETENSORS_INDEX = "model.safetensors.index.json"

@@ -29,7 +29,7 @@ CODE_FILES = ["cache_reuse.py", "configuration_dflash.py", "custom_generate/gene
               "generation_arguments.py", "generation_output.py", "generation_utils.py", "modeling_dflash.py",
               "native_routes.py", "proposers.py", "remote_code_cache.py", "speculative_sampling.py",
               "static_generate.py", "stopping_criteria.py", "target_cache.py", "target_facts.py", "target_families.py",
-              "target_taps.py", "user_processors.py", "verify_cost.py", "verify_policy.py"]
+              "target_taps.py", "tested_versions.py", "user_processors.py", "verify_cost.py", "verify_policy.py"]
 OURS = sorted(["config.json", "model.safetensors"] + CODE_FILES)
 
 

@@ -162,6 +162,25 @@ def test_restored_states_equal_a_prefill_of_the_committed_tokens(kind):
     _assert_states_equal_prefill(kind)
 
 
+@needs_v5
+def test_every_layer_counts_the_tokens_the_cache_holds_after_a_rollback():
+    """transformers 5.25 counts a linear layer's tokens (``cumulative_length_linear``) and answers
+    ``Cache.get_seq_length()`` with layer 0's count, a linear layer here: generate's ``_prefill`` slices a
+    continued prompt by it and the model's default positions start there. After a verify and a rollback the
+    cache as a user gets it (a plain ``DynamicCache`` on the same layers) says 13, and so does every layer
+    that counts (issue 48: the count drifted by the rejected drafts and again by the replay, 18)."""
+    target = target_for("qwen3_5")
+    prompts = torch.randint(0, 90, (3, 7), generator=torch.Generator().manual_seed(1))
+    block = torch.randint(0, 90, (3, 6), generator=torch.Generator().manual_seed(2))
+    cache = _verify_then_restore(target, prompts, block, torch.tensor([1, 4, 5]))
+    plain = transformers.DynamicCache(config=target.config)
+    plain.layers = cache.layers
+    assert cache.get_seq_length() == int(plain.get_seq_length()) == 7 + 5
+    counts = [int(layer.cumulative_length_linear) for layer in cache.layers if hasattr(layer, "cumulative_length_linear")]
+    assert counts == [7 + 5] * len(counts)
+    assert isinstance(cache.get_seq_length(), int)  # a 0-dim counter would move with the next forward
+
+
 def _skip_last_layer(real):
     def restore(cache, i, committed):
         if i != max(cache._mixers):
@@ -387,3 +406,58 @@ def test_threads_on_one_hybrid_target_each_equal_generate():
     assert not errors, errors
     wrong = [key for key, (p, out) in results.items() if not torch.equal(out, refs[p])]
     assert len(results) == 6 and not wrong, wrong
+
+
+def _native_oracle(monkeypatch, ref, script):
+    """transformers' native DFlash generator drafts (the drafter still runs), then its candidates are replaced by
+    ``ref``'s tokens, right for ``script[step]`` slots and wrong after: the target accepts some and rejects the
+    rest, so its own rollback of the linear layers is exercised (a random drafter is rejected at every slot)."""
+    from transformers.generation import candidate_generator
+
+    cls = candidate_generator.DFlashTokenCandidateGenerator
+    real, steps = cls.get_candidates, []
+
+    def fake(self, input_ids, *args, **kwargs):
+        ids, logits = real(self, input_ids, *args, **kwargs)
+        n, drafted = input_ids.shape[1], ids.shape[1] - input_ids.shape[1]
+        if drafted <= 0 or n >= ref.shape[1]:
+            return ids, logits
+        want = torch.cat([ref[0, n: n + drafted], torch.zeros(drafted, dtype=torch.long)])[:drafted]
+        right = script[len(steps) % len(script)]
+        want[right:] = (want[right:] + 1) % VOCAB
+        steps.append(right)
+        return torch.cat([input_ids, want[None]], dim=1), None if logits is None else torch.nn.functional.one_hot(
+            want, logits.shape[-1]).float()[None] * 30
+
+    monkeypatch.setattr(cls, "get_candidates", fake)
+    return steps
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_native_route_on_a_hybrid_target_equals_generate_or_is_refused_naming_it(kind, monkeypatch):
+    """``target.generate(assistant_model=draft, speculation_type="dflash")`` on a hybrid target (issue 48): on
+    5.25 transformers rolls its linear layers back itself (a recurrent-state history) and the output is
+    generate's, with drafts partly accepted; before 5.25 transformers refuses the stateful target by its class
+    name; 4.57 has no native route."""
+    import native_routes
+
+    if not native_routes.native_dflash_available():
+        pytest.skip("transformers 4.57 has no native DFlash route (speculation_type arrived in 5.x)")
+    if not V5 or not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        pytest.skip("no hybrid class on this version")
+    target, draft = tiny_hybrid(kind), hybrid_draft()
+    ids = PROMPTS[0]
+    ref = reference(kind, 0, 40)
+    steps = _native_oracle(monkeypatch, ref, script=[0, 7, 2, 5, 1, 3, 6])
+    call = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40, assistant_model=draft,
+                speculation_type="dflash")
+    from tested_versions import _minor
+    if _minor(transformers.__version__) < (5, 25):
+        with pytest.raises(ValueError, match=f"not supported with stateful models, such as {type(target).__name__}"):
+            target.generate(ids, **call)
+        return
+    with draft.native_acceptance_stats(target) as stats:
+        out = target.generate(ids, **call)
+    assert torch.equal(out, ref)
+    assert max(steps) > 3 and 0 in steps  # some blocks accepted far, some rejected at once
+    assert max(stats(out, ids.shape[1]).acceptance_lengths) > 3

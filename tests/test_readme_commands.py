@@ -36,8 +36,8 @@ def test_ci_installs_the_readme_extras_and_runs_the_readme_test_command():
     assert "pip install -e ." in cpu and "python demo.py" in cpu  # the demo needs no extra
     tests = _commands(_bash_blocks(README[README.index("## Run the tests"):README.index("## Documentation")])[0])
     assert tests == [f'pip install -e "{_ci_value("EXTRAS")}"', _ci_value("TEST_COMMAND")]
-    assert '/bin/pip" install -q --disable-pip-version-check -e "$EXTRAS"' in CI and "&& $TEST_COMMAND)" in CI
-    assert re.search(r"^for tf in 4\.57\.1 5\.24\.0; do$", CI, flags=re.MULTILINE)
+    assert '/bin/pip" install -q --disable-pip-version-check -e "$EXTRAS"' in CI and '&& $TEST_COMMAND "$@")' in CI
+    assert re.search(r"^for tf in \$FULL_LANES; do\n  lane \"\$tf\"\ndone$", CI, flags=re.MULTILINE)  # the whole suite
 
 
 def _offline_blocks() -> list:

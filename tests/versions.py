@@ -1,4 +1,5 @@
-"""Markers for tests that run on one transformers version of the CI matrix only (.ci/run runs 4.57.1 and 5.24.0)."""
+"""Markers for tests that run on one transformers version of the CI matrix only (.ci/run's lanes:
+``tested_versions.TESTED_TRANSFORMERS``; the whole suite on 4.57.1 and 5.25.0, a subset on 5.24.0)."""
 
 import pytest
 import transformers

@@ -1,0 +1,1 @@
+../../tested_versions.py
