@@ -1,10 +1,9 @@
 """DFlash draft model: a block-diffusion drafter for lossless speculative decoding (arXiv 2602.06036).
 
-A small Qwen3-style decoder with no embedding or LM head of its own (it borrows the target's, frozen) drafts a
-whole block ``[anchor, MASK, ..., MASK]`` in one forward pass; target hidden states captured at
-``config.target_layer_ids`` are fused by ``fc`` + ``hidden_norm`` and injected as extra keys/values into every
-draft layer ("KV injection"), queries come only from the block (method section). State-dict names equal the
-published z-lab / SpecForge checkpoints, so they load strictly with no renaming."""
+A small Qwen3-style decoder without embedding or LM head (it borrows the target's, frozen) drafts a whole block
+``[anchor, MASK, ..., MASK]`` in one pass; target hidden states at ``config.target_layer_ids``, fused by ``fc`` +
+``hidden_norm``, are extra keys/values of every draft layer ("KV injection"), queries only the block's (method
+section). State-dict names are the published z-lab / SpecForge ones: they load strictly with no renaming."""
 
 import functools
 import logging
