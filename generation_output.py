@@ -12,10 +12,10 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# At least this many verify steps that drafted before a call judges its drafter (issue 39), or at least
-# MIN_JUDGED_STEPS steps that tried MIN_DRAFTED_POSITIONS drafted positions between them: under the verify-length
-# policy a drafter that accepts nothing goes plain after its first steps and is probed rarely (issue 49), so the
-# evidence is counted in positions tried, as the first steps and the probes saw it.
+# At least this many verify steps that drafted before a call judges its drafter (issue 39); or, when none of
+# them accepted anything at all, MIN_JUDGED_STEPS steps that tried MIN_DRAFTED_POSITIONS drafted positions between
+# them: under the verify-length policy a drafter that accepts nothing goes plain after its first steps and is
+# probed rarely (issue 49), so that evidence is counted in positions tried, as the first steps and probes saw it.
 MIN_DRAFTING_STEPS = 16
 MIN_JUDGED_STEPS, MIN_DRAFTED_POSITIONS = 3, 8
 
@@ -226,10 +226,10 @@ def _drafting_steps(out) -> list:
 
 
 def warn_if_not_drafting(out, threshold: Optional[float]) -> None:
-    """One logging warning when at least ``MIN_DRAFTING_STEPS`` verify steps drafted (or at least
-    ``MIN_JUDGED_STEPS`` that drafted ``MIN_DRAFTED_POSITIONS`` positions between them: the verify-length policy's
-    first steps and probes) and they accepted on average at most ``threshold`` drafted tokens per step (None:
-    never). The output is not changed.
+    """One logging warning when at least ``MIN_DRAFTING_STEPS`` verify steps drafted and they accepted on average
+    at most ``threshold`` drafted tokens per step, or when ``MIN_JUDGED_STEPS`` that drafted
+    ``MIN_DRAFTED_POSITIONS`` positions between them (the verify-length policy's first steps and probes)
+    accepted none at all (``threshold`` None: never). The output is not changed.
 
     Source: issue 39; a quantized DFlash 2 drafter accepted nothing for 155 batches and nobody was told
     (SGLang #39087, #36599); a drafter on the wrong target accepts 2-12% (z-lab/dflash #152)."""
@@ -237,8 +237,8 @@ def warn_if_not_drafting(out, threshold: Optional[float]) -> None:
         return
     steps, mean = drafting_acceptance(out)
     tried = sum(d for d, _ in _drafting_steps(out))
-    enough = steps >= MIN_DRAFTING_STEPS or (steps >= MIN_JUDGED_STEPS and tried >= MIN_DRAFTED_POSITIONS)
-    if enough and mean <= threshold:
+    few = steps >= MIN_JUDGED_STEPS and tried >= MIN_DRAFTED_POSITIONS and mean == 0  # nothing at all: enough said
+    if (steps >= MIN_DRAFTING_STEPS and mean <= threshold) or few:
         logger.warning(
             f"the drafter is not drafting: {steps} verify steps accepted {mean:.3f} drafted tokens per step on "
             f"average (low_acceptance_warning={threshold}). The output is the target's own, but speculative "
