@@ -283,8 +283,7 @@ class VerifyPolicy:
         width = len(confs[0]) if self.observe else self._width(estimates, proposal.walk)
         self.observe, self.width = False, width
         lengths = [width] * len(confs) if proposal.lengths is None else [min(width, n) for n in proposal.lengths.tolist()]
-        self.chosen = (ids, [row[:n] for row, n in zip(confs, lengths)])
-        self.effective = self._critical([_curve(e) for e in estimates])
+        self.chosen = (ids, [row[:n] for row, n in zip(confs, lengths)])  # record() sets the next plan's curve
         return proposal.cut(width)
 
     def cut_trees(self, trees: list) -> list:
